@@ -1,0 +1,86 @@
+"""Start a cloud server on loopback in a child process (for `--cloud local`, tests, the demo).
+
+A real separate process, as in production: it can be killed to test failover.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from cloud_server.cli import READY_LINE
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LocalCloudServer:
+    """`with LocalCloudServer(model) as srv: srv.url, srv.api_key`."""
+
+    def __init__(self, model: str | None = None, api_key: str | None = None, extra_args: list[str] | None = None, startup_timeout_s: float = 120.0) -> None:
+        self.model = model
+        self.api_key = api_key or secrets.token_urlsafe(16)
+        self.extra_args = extra_args or []
+        self.startup_timeout_s = startup_timeout_s
+        self.url = ""
+        self.http_url = ""
+        self.proc: subprocess.Popen[str] | None = None
+        self._log: list[str] = []
+
+    def start(self) -> "LocalCloudServer":
+        cmd = [sys.executable, "-m", "cloud_server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *self.extra_args]
+        if self.model:
+            cmd += ["--model", str(self.model)]
+        env = dict(os.environ, TOKENROUTER_API_KEYS=self.api_key, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + self.startup_timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self._log.append(line.rstrip())
+            if line.startswith(READY_LINE):
+                fields = dict(part.split("=", 1) for part in line.split()[1:])
+                self.url = fields["url"]
+                self.http_url = f"http://127.0.0.1:{fields['port']}"
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self
+        self.stop()
+        raise RuntimeError("local cloud server did not start:\n" + "\n".join(self._log[-20:]))
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.append(line.rstrip())
+            del self._log[:-200]
+
+    @property
+    def log(self) -> list[str]:
+        return list(self._log)
+
+    def kill(self) -> None:
+        """Abrupt death, as in a crash (SIGKILL)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> "LocalCloudServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

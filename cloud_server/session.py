@@ -1,0 +1,158 @@
+"""One device connection: the protocol state machine on the cloud side.
+
+Independent of FastAPI: it takes decoded messages and a `send` coroutine, so
+the rules (hello first, positions must match the history, limits) can be read
+in one place. A rule broken raises ProtocolError; the transport turns that
+into an `error` reply and keeps the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+from cloud_server.auth import KeyChecker
+from cloud_server.config import ServerConfig
+from cloud_server.engine import EngineFull, EngineWorker
+from models.registry import ModelInfo
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    Accept,
+    Close,
+    ErrorCode,
+    Generate,
+    Hello,
+    Message,
+    ProtocolError,
+    Reject,
+    Rollback,
+    Sync,
+    Tokens,
+    sampling_from_dict,
+    token_hash,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ConnectionDone(Exception):
+    """The connection should close (after a reject or a close)."""
+
+
+class Connection:
+    def __init__(self, worker: EngineWorker, config: ServerConfig, keys: KeyChecker, info: ModelInfo, send: Callable[[Message], Awaitable[None]]) -> None:
+        self.worker = worker
+        self.engine = worker.engine
+        self.config = config
+        self.keys = keys
+        self.info = info
+        self.send = send
+        self.seq: int | None = None
+        self.session_id = ""
+        self.n_errors = 0
+        self.cloud_tokens = 0
+
+    async def on_message(self, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            return await self._hello(msg)
+        if self.seq is None:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"first message must be hello, got {msg.type}")
+        if isinstance(msg, Sync):
+            return await self._sync(msg)
+        if isinstance(msg, Generate):
+            return await self._generate(msg)
+        if isinstance(msg, Rollback):
+            return await self._rollback(msg)
+        if isinstance(msg, Close):
+            raise ConnectionDone(msg.reason)
+        raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} is not a device-to-cloud message")
+
+    async def _reject(self, code: str, reason: str) -> None:
+        log.info("reject: %s (%s)", code, reason)
+        await self.send(Reject(code=code, reason=reason))
+        raise ConnectionDone(reason)
+
+    async def _hello(self, msg: Hello) -> None:
+        if self.seq is not None:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello sent twice on one connection")
+        if msg.version != PROTOCOL_VERSION:
+            await self._reject(ErrorCode.VERSION_MISMATCH, f"protocol version {msg.version} not supported; this server speaks {PROTOCOL_VERSION}")
+        if not self.keys.check(msg.api_key):
+            await self._reject(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
+        if msg.tokenizer != self.info.tokenizer_fingerprint:
+            await self._reject(
+                ErrorCode.VOCAB_MISMATCH,
+                f"device tokenizer {msg.tokenizer} differs from the cloud model's ({self.info.name}, "
+                f"{self.info.tokenizer_fingerprint}); token routing needs one vocabulary: use an edge model "
+                "built from the same tokenizer",
+            )
+        sampling = sampling_from_dict(msg.sampling)
+        prompt = await self.worker.call(self.engine.model.chat_tokens, msg.messages)
+        try:
+            self.seq = await self.worker.call(self.engine.open, prompt, sampling)
+        except EngineFull as exc:
+            await self._reject(ErrorCode.BUSY, f"{exc}; try again later")
+        self.session_id = f"s{self.seq}-{id(self):x}"
+        await self.send(
+            Accept(
+                session_id=self.session_id,
+                cloud_model=self.info.fingerprint,
+                tokenizer=self.info.tokenizer_fingerprint,
+                n_prompt=len(prompt),
+                prompt_hash=token_hash(prompt),
+                max_message_bytes=self.config.max_message_bytes,
+            )
+        )
+        await self._prefill()
+
+    def _check_position(self, mtype: str, position: int) -> None:
+        n = len(self.engine.history(self.seq))  # type: ignore[arg-type]
+        if position != n:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{mtype} at position {position}, but the session holds {n} tokens")
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        n_vocab = self.engine.model.n_vocab
+        if any(t < 0 or t >= n_vocab for t in tokens):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"token ids must be within [0, {n_vocab})")
+
+    async def _prefill(self) -> None:
+        try:
+            await self.worker.call(self.engine.prefill, self.seq)
+        except EngineFull as exc:
+            raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
+
+    async def _sync(self, msg: Sync) -> None:
+        self._check_position("sync", msg.position)
+        self._check_tokens(msg.tokens)
+        self.engine.append(self.seq, msg.tokens)  # type: ignore[arg-type]
+        await self._prefill()
+
+    async def _rollback(self, msg: Rollback) -> None:
+        n = len(self.engine.history(self.seq))  # type: ignore[arg-type]
+        if msg.position > n:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"rollback to {msg.position}, but the session holds {n} tokens")
+        await self.worker.call(self.engine.rollback, self.seq, msg.position)
+
+    async def _generate(self, msg: Generate) -> None:
+        self._check_position("generate", msg.position)
+        self._check_tokens(msg.tokens)
+        if msg.max_tokens > self.config.max_tokens_per_request:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}")
+        self.engine.append(self.seq, msg.tokens)  # type: ignore[arg-type]
+        position = msg.position + len(msg.tokens)
+        for i in range(msg.max_tokens):
+            try:
+                token, logprob, seconds = await self.worker.call(self.engine.generate_one, self.seq)
+            except EngineFull as exc:
+                raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
+            eog = self.engine.is_eog(token)
+            final = eog or i == msg.max_tokens - 1
+            self.cloud_tokens += 1
+            await self.send(Tokens(request_id=msg.request_id, position=position + i, ids=[token], logprobs=[logprob], compute_ms=seconds * 1000.0, final=final, eog=eog))
+            if final:
+                return
+
+    async def close(self) -> None:
+        if self.seq is not None:
+            seq, self.seq = self.seq, None
+            await self.worker.call(self.engine.close, seq)

@@ -1,0 +1,247 @@
+"""The device's connection to the cloud: one WebSocket session, blocking calls.
+
+The decoding loop is synchronous (llama.cpp is), so this uses the `websockets`
+library's threading client: `sync` is a send that returns at once, `generate`
+sends and waits for the tokens with a deadline. Any failure raises
+CloudUnavailable and leaves the link closed; the generator then finishes on
+the device and marks the answer degraded.
+
+The link also records what the cloud holds (`cloud_len`), so the generator
+knows which tokens to send with the next message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+from websockets.exceptions import WebSocketException
+from websockets.sync.client import ClientConnection, connect
+
+from models.registry import ModelInfo
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    Accept,
+    Close,
+    Error,
+    Generate,
+    Hello,
+    Message,
+    ProtocolError,
+    Reject,
+    Rollback,
+    SamplingParams,
+    Sync,
+    Tokens,
+    decode,
+    encode,
+    token_hash,
+)
+
+
+class CloudUnavailable(ConnectionError):
+    """The cloud cannot be reached or stopped answering; finish on the device."""
+
+
+class CloudRejected(ConnectionError):
+    """The cloud refused the session (auth, vocabulary, version, capacity): `code` says why."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"cloud rejected the session ({code}): {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class CloudError(RuntimeError):
+    """The cloud answered a request with an error message."""
+
+    def __init__(self, err: Error) -> None:
+        super().__init__(f"cloud error {err.code}: {err.message}")
+        self.code = err.code
+
+
+@dataclass(slots=True)
+class LinkStats:
+    bytes_up: int = 0
+    bytes_down: int = 0
+    round_trips: int = 0
+    cloud_compute_ms: float = 0.0
+    rtt_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CloudToken:
+    token: int
+    logprob: float
+    eog: bool
+
+
+class CloudLink:
+    def __init__(self, url: str, api_key: str, timeout_s: float = 2.0, connect_timeout_s: float = 5.0) -> None:
+        self.url = url
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = LinkStats()
+        self.accept: Accept | None = None
+        self.cloud_len = 0  # tokens the cloud's history holds
+        self._ws: ClientConnection | None = None
+        self._next_request = 1
+        self._max_bytes = 1 << 20
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    # ---------------------------------------------------------------- session
+
+    def open(self, edge: ModelInfo, messages: list[dict], prompt: list[int], sampling: SamplingParams) -> Accept:
+        """hello -> accept; then make sure the cloud holds exactly `prompt`."""
+        try:
+            self._ws = connect(self.url, open_timeout=self.connect_timeout_s, max_size=self._max_bytes + 4096, compression=None)
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            self._ws = None
+            raise CloudUnavailable(f"cannot connect to {self.url}: {exc}") from exc
+        hello = Hello(
+            version=PROTOCOL_VERSION,
+            api_key=self.api_key,
+            edge_model=edge.fingerprint,
+            tokenizer=edge.tokenizer_fingerprint,
+            messages=messages,
+            sampling=asdict(sampling),
+            client="tokenrouter-edge",
+        )
+        self._send(hello)
+        reply = self._recv(self.connect_timeout_s)
+        if isinstance(reply, Reject):
+            self.close_quietly()
+            raise CloudRejected(reply.code, reply.reason)
+        if not isinstance(reply, Accept):
+            self.close_quietly()
+            raise CloudUnavailable(f"cloud answered hello with {reply.type}")
+        self.accept = reply
+        self._max_bytes = reply.max_message_bytes
+        self.cloud_len = reply.n_prompt
+        if reply.prompt_hash != token_hash(prompt) or reply.n_prompt != len(prompt):
+            # the cloud rendered the chat differently: the device's tokens are the truth
+            self.rollback(0)
+            self.sync(prompt)
+        return reply
+
+    def close(self, reason: str = "") -> None:
+        if self._ws is not None:
+            try:
+                self._send(Close(reason=reason))
+            except CloudUnavailable:
+                pass
+            self.close_quietly()
+
+    def close_quietly(self) -> None:
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            try:
+                ws.close()
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- token traffic
+
+    def sync(self, tokens: list[int]) -> None:
+        """Append device-written tokens to the cloud's history (no reply)."""
+        if tokens:
+            self._send(Sync(position=self.cloud_len, tokens=list(tokens)))
+            self.cloud_len += len(tokens)
+
+    def rollback(self, position: int) -> None:
+        self._send(Rollback(position=position))
+        self.cloud_len = position
+
+    def generate(
+        self,
+        pending: list[int],
+        proposed: int = -1,
+        hidden: np.ndarray | None = None,
+        max_tokens: int = 1,
+        on_token: Callable[[CloudToken], bool] | None = None,
+    ) -> list[CloudToken]:
+        """Send `pending` device tokens plus a hard-token request; returns the cloud's tokens.
+
+        With max_tokens > 1 the cloud streams; `on_token` sees each token as it
+        arrives and may return False to stop listening (the link then closes,
+        since the cloud is still writing).
+        """
+        request_id = self._next_request
+        self._next_request += 1
+        position = self.cloud_len
+        self._send(
+            Generate(
+                request_id=request_id,
+                position=position,
+                tokens=list(pending),
+                proposed=proposed,
+                max_tokens=max_tokens,
+                hidden=None if hidden is None else hidden.astype(np.float16),
+            )
+        )
+        self.cloud_len += len(pending)
+        t0 = time.perf_counter()
+        out: list[CloudToken] = []
+        while True:
+            reply = self._recv(self.timeout_s)
+            if isinstance(reply, Error):
+                if reply.request_id in (None, request_id):
+                    self.close_quietly()
+                    raise CloudError(reply)
+                continue
+            if not isinstance(reply, Tokens) or reply.request_id != request_id:
+                continue  # a stale reply to an abandoned request
+            if reply.position != self.cloud_len:
+                self.close_quietly()
+                raise CloudUnavailable(f"cloud tokens at position {reply.position}, expected {self.cloud_len}")
+            self.stats.cloud_compute_ms += reply.compute_ms
+            for token, logprob in zip(reply.ids, reply.logprobs):
+                tok = CloudToken(token, logprob, eog=reply.eog and token == reply.ids[-1])
+                out.append(tok)
+                self.cloud_len += 1
+                if on_token is not None and on_token(tok) is False and not reply.final:
+                    self.close_quietly()  # the cloud is still writing into this session
+                    self.stats.round_trips += 1
+                    return out
+            if reply.final:
+                break
+        self.stats.round_trips += 1
+        self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
+        return out
+
+    # ---------------------------------------------------------------- framing
+
+    def _send(self, msg: Message) -> None:
+        if self._ws is None:
+            raise CloudUnavailable("not connected")
+        frame = encode(msg)
+        try:
+            self._ws.send(frame)
+        except (OSError, WebSocketException) as exc:
+            self.close_quietly()
+            raise CloudUnavailable(f"connection lost while sending {msg.type}: {exc}") from exc
+        self.stats.bytes_up += len(frame) if isinstance(frame, bytes) else len(frame.encode())
+
+    def _recv(self, timeout_s: float) -> Message:
+        if self._ws is None:
+            raise CloudUnavailable("not connected")
+        try:
+            frame = self._ws.recv(timeout=timeout_s)
+        except TimeoutError as exc:
+            self.close_quietly()
+            raise CloudUnavailable(f"no answer from the cloud within {timeout_s:.1f} s") from exc
+        except (OSError, WebSocketException) as exc:
+            self.close_quietly()
+            raise CloudUnavailable(f"connection lost: {exc}") from exc
+        self.stats.bytes_down += len(frame) if isinstance(frame, bytes) else len(frame.encode())
+        try:
+            return decode(frame, self._max_bytes)
+        except ProtocolError as exc:
+            self.close_quietly()
+            raise CloudUnavailable(f"cloud sent a bad frame: {exc}") from exc

@@ -1,0 +1,347 @@
+"""Token-routed generation: the per-token loop that decides who writes each token.
+
+For each position the device model proposes a token and the router scores
+it. Easy positions keep the device's token. Hard ones send the device tokens
+the cloud has not seen yet plus the hidden state in one `generate`, and the
+cloud's token is accepted into the device's history. Device tokens are also
+sent eagerly (`sync_every`) so the cloud prefills them before it is asked.
+
+If the cloud is lost, the answer continues on the device and is marked
+degraded; the next answer tries to reconnect.
+
+    with open_generator(GeneratorOptions(cloud="local")) as gen:
+        answer = gen.generate([{"role": "user", "content": "Hi"}], on_token=print)
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from edge_client.answer import Answer, Latency, Route, TokenEvent
+from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable, LinkStats
+from edge_client.decoder import EdgeDecoder, common_prefix
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
+from shared.llama_backend import LlamaModel
+from shared.policy import PolicyConfig, RoutingPolicy
+from shared.protocol import SamplingParams
+from shared.router import HeuristicRouter, Router
+from shared.routing_log import RoutingLog
+from shared.sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful voice assistant. Answer briefly, in one or two sentences."
+
+
+@dataclass(slots=True)
+class GeneratorOptions:
+    """Everything that configures routed generation (the CLI and the voice app fill it)."""
+
+    edge_model: str = DEFAULT_EDGE_MODEL
+    cloud_model: str = DEFAULT_CLOUD_MODEL  # used when cloud == "local"
+    cloud: str = "local"  # "local" (start a loopback server), "none", or a ws:// URL
+    api_key: str = ""  # for a remote cloud; default $TOKENROUTER_API_KEY
+    policy: str = "router"  # edge | cloud | router
+    threshold: float | None = 0.5
+    cloud_fraction: float | None = None
+    warmup: int = 0
+    hysteresis: float = 0.0
+    router: str = "entropy"  # heuristic kind, or a path to a learned router file
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    sync_every: int = 4  # send device tokens eagerly after this many (0 = only with hard tokens)
+    cloud_timeout_s: float = 2.0
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    n_ctx: int = 4096
+    threads: int | None = None
+
+
+class RoutedGenerator:
+    def __init__(
+        self,
+        edge: LlamaModel,
+        router: Router,
+        policy: RoutingPolicy,
+        sampling: SamplingParams,
+        connect: Callable[[], CloudLink] | None = None,
+        sync_every: int = 4,
+        cloud_model_name: str = "",
+        n_ctx: int = 4096,
+        threads: int | None = None,
+    ) -> None:
+        self.edge = edge
+        self.decoder = EdgeDecoder(edge, n_ctx=n_ctx, threads=threads)
+        self.router = router
+        self.policy = policy
+        self.sampling = sampling
+        self.sync_every = sync_every
+        self.cloud_model_name = cloud_model_name
+        self._connect = connect
+        self.link: CloudLink | None = None
+        self.last_cloud_error: str = ""
+        self._retired = LinkStats()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- public API
+
+    def count_tokens(self, messages: list[dict]) -> int:
+        return len(self.edge.chat_tokens(messages))
+
+    def generate(
+        self,
+        messages: list[dict],
+        max_tokens: int = 128,
+        on_token: Callable[[TokenEvent], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> Answer:
+        """Answer the chat `messages`; blocking. Set `stop` to interrupt (barge-in)."""
+        with self._lock:
+            return self._generate(messages, max_tokens, on_token, stop)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close("device closed")
+        self._retire_link()
+        self.decoder.close()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _generate(self, messages: list[dict], max_tokens: int, on_token: Callable[[TokenEvent], None] | None, stop: threading.Event | None) -> Answer:
+        t_start = time.perf_counter()
+        prompt = self.edge.chat_tokens(messages)
+        previous = self.decoder.history[:]  # what the device (and the cloud, up to cloud_len) held
+        self.decoder.set_history(prompt)
+        self.policy.start_answer()
+        sampler = Sampler(self.sampling)
+        use_cloud = self.policy.mode != "edge" and self._connect is not None
+        degraded = use_cloud and not self._ensure_cloud(messages, prompt, previous)
+
+        answer = Answer(text="", tokens=[], routes=[], scores=[], policy=self.policy.name, degraded=degraded)
+        answer.edge_model = self.edge.info.fingerprint
+        answer.cloud_model = self.link.accept.cloud_model if self.link and self.link.accept else ""
+        rlog = RoutingLog(edge_model=answer.edge_model, cloud_model=answer.cloud_model, start_position=len(prompt))
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pieces: list[str] = []
+        token_ms: list[float] = []
+        router_ms: list[float] = []
+        stats0 = self._stats_snapshot()
+        t_last = t_start
+
+        def accept(token: int, route: Route, score: float | None, fallback: bool = False) -> None:
+            """Record one accepted token and tell the listener."""
+            nonlocal t_last
+            now = time.perf_counter()
+            token_ms.append((now - t_last) * 1000.0)
+            t_last = now
+            text = utf8.decode(self.edge.token_bytes(token))
+            pieces.append(text)
+            answer.tokens.append(token)
+            answer.routes.append(route)
+            answer.scores.append(score)
+            rlog.append(route, score, token, fallback)
+            if on_token is not None:
+                on_token(TokenEvent(len(answer.tokens) - 1, token, text, route, score))
+
+        def finished() -> bool:
+            if answer.tokens and self.edge.is_eog(answer.tokens[-1]):
+                return True
+            return len(answer.tokens) >= max_tokens or (stop is not None and stop.is_set())
+
+        while not finished():
+            if self.policy.mode == "cloud" and self.link is not None:
+                self._stream_from_cloud(answer, max_tokens, accept, stop)
+                continue  # finished, or the stream broke off and the device carries on
+            logits, hidden = self.decoder.next_distribution()
+            proposed = sampler.sample(logits)
+            t0 = time.perf_counter()
+            score = self.router.score(hidden, logits, proposed)
+            hard = self.policy.decide(score)
+            router_ms.append((time.perf_counter() - t0) * 1000.0)
+            token, route, fallback = proposed, "edge", False
+            if hard and self.link is not None:
+                cloud_token = self._ask_cloud(proposed, hidden)
+                if cloud_token is not None:
+                    token, route = cloud_token.token, "cloud"
+            fallback = hard and route == "edge" and use_cloud
+            self.decoder.append(token)
+            accept(token, route, score, fallback)
+            self._maybe_sync()
+
+        ended = bool(answer.tokens) and self.edge.is_eog(answer.tokens[-1])
+        interrupted = not ended and stop is not None and stop.is_set()
+        answer.finish_reason = "stop" if ended else ("interrupted" if interrupted else "length")
+        answer.interrupted = interrupted
+        answer.degraded = answer.degraded or (use_cloud and self.link is None)
+        tail = utf8.decode(b"", final=True)  # an unfinished multi-byte character
+        if tail and pieces:
+            pieces[-1] += tail
+        answer.text = "".join(pieces)
+        answer.pieces = pieces
+        answer.latency = _latency(t_start, token_ms, router_ms)
+        answer.routing_log = rlog.to_bytes()
+        self._stats_into(answer, stats0)
+        return answer
+
+    def _stream_from_cloud(self, answer: Answer, max_tokens: int, accept: Callable[..., None], stop: threading.Event | None) -> None:
+        """Cloud-only policy: the cloud writes the rest of the answer, streamed."""
+        assert self.link is not None
+
+        def take(tok: CloudToken) -> bool:
+            self.decoder.append(tok.token)  # decoded lazily, only if the device must take over
+            accept(tok.token, "cloud", None)
+            return len(answer.tokens) < max_tokens and not tok.eog and not (stop is not None and stop.is_set())
+
+        pending = self.decoder.history[self.link.cloud_len :]
+        try:
+            self.link.generate(pending, max_tokens=max_tokens - len(answer.tokens), on_token=take)
+        except (CloudUnavailable, CloudError) as exc:
+            self._lose_cloud(exc)
+            answer.degraded = True
+
+    def _ask_cloud(self, proposed: int, hidden: np.ndarray) -> CloudToken | None:
+        assert self.link is not None
+        pending = self.decoder.history[self.link.cloud_len :]
+        try:
+            return self.link.generate(pending, proposed=proposed, hidden=hidden, max_tokens=1)[0]
+        except (CloudUnavailable, CloudError, IndexError) as exc:
+            self._lose_cloud(exc)
+            return None
+
+    def _maybe_sync(self) -> None:
+        link = self.link
+        if link is None or self.sync_every <= 0:
+            return
+        if len(self.decoder.history) - link.cloud_len >= self.sync_every:
+            try:
+                link.sync(self.decoder.history[link.cloud_len :])
+            except CloudUnavailable as exc:
+                self._lose_cloud(exc)
+
+    # ---------------------------------------------------------------- the cloud session
+
+    def _ensure_cloud(self, messages: list[dict], prompt: list[int], previous: list[int]) -> bool:
+        """Connect (or reuse the session) and make the cloud hold `prompt`. False = degraded."""
+        try:
+            if self.link is not None and self.link.connected:
+                keep = common_prefix(previous[: self.link.cloud_len], prompt)
+                if keep < self.link.cloud_len:
+                    self.link.rollback(keep)
+                self.link.sync(prompt[keep:])
+                return True
+            self._retire_link()  # closed after an interrupted stream, or lost
+            assert self._connect is not None
+            link = self._connect()
+            link.open(self.edge.info, messages, prompt, self.sampling)
+            self.link = link
+            self.last_cloud_error = ""
+            return True
+        except CloudRejected:
+            raise
+        except (CloudUnavailable, CloudError) as exc:
+            self._lose_cloud(exc)
+            return False
+
+    def _lose_cloud(self, exc: Exception) -> None:
+        log.warning("cloud lost, continuing on the device: %s", exc)
+        self.last_cloud_error = str(exc)
+        self._retire_link()
+
+    # ---------------------------------------------------------------- accounting
+
+    def _total_stats(self) -> tuple[int, int, int, float]:
+        """Traffic of every link this generator has used (lost links included)."""
+        r, s = self._retired, (self.link.stats if self.link is not None else LinkStats())
+        return (r.bytes_up + s.bytes_up, r.bytes_down + s.bytes_down, r.round_trips + s.round_trips, r.cloud_compute_ms + s.cloud_compute_ms)
+
+    def _stats_snapshot(self) -> tuple[int, int, int, float]:
+        return self._total_stats()
+
+    def _stats_into(self, answer: Answer, before: tuple[int, int, int, float]) -> None:
+        after = self._total_stats()
+        answer.bytes_up, answer.bytes_down, answer.round_trips = after[0] - before[0], after[1] - before[1], after[2] - before[2]
+        answer.cloud_compute_ms = after[3] - before[3]
+
+    def _retire_link(self) -> None:
+        if self.link is not None:
+            s, r = self.link.stats, self._retired
+            r.bytes_up += s.bytes_up
+            r.bytes_down += s.bytes_down
+            r.round_trips += s.round_trips
+            r.cloud_compute_ms += s.cloud_compute_ms
+            self.link.close_quietly()
+            self.link = None
+
+
+def _latency(t_start: float, token_ms: list[float], router_ms: list[float]) -> Latency:
+    total = (time.perf_counter() - t_start) * 1000.0
+    if not token_ms:
+        return Latency(total=total)
+    rest = np.array(token_ms[1:]) if len(token_ms) > 1 else np.array(token_ms)
+    return Latency(
+        first_token=token_ms[0],
+        per_token_p50=float(np.percentile(rest, 50)),
+        per_token_p95=float(np.percentile(rest, 95)),
+        total=total,
+        router_p50=float(np.median(router_ms)) if router_ms else 0.0,
+    )
+
+
+def build_router(spec: str, n_vocab: int) -> Router:
+    """A heuristic kind ("entropy", "top1", "margin") or a learned router file."""
+    if spec in HeuristicRouter.KINDS:
+        return HeuristicRouter(spec, n_vocab)
+    raise ValueError(f"unknown router {spec!r}: use one of {', '.join(HeuristicRouter.KINDS)}")
+
+
+@contextlib.contextmanager
+def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
+    """Load the device model, start or reach the cloud, and yield a ready generator."""
+    from cloud_server.local import LocalCloudServer
+
+    edge = LlamaModel(model_info(opts.edge_model))
+    policy = RoutingPolicy(
+        PolicyConfig(opts.policy, threshold=opts.threshold, cloud_fraction=opts.cloud_fraction, warmup=opts.warmup, hysteresis=opts.hysteresis)
+    )
+    sampling = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+    server: LocalCloudServer | None = None
+    connect: Callable[[], CloudLink] | None = None
+    cloud_name = ""
+    try:
+        if opts.cloud == "local" and opts.policy != "edge":
+            server = LocalCloudServer(model=opts.cloud_model).start()
+            url, key, cloud_name = server.url, server.api_key, opts.cloud_model
+        elif opts.cloud not in ("none", "local"):
+            url, key, cloud_name = opts.cloud, opts.api_key or os.environ.get("TOKENROUTER_API_KEY", ""), opts.cloud
+        if server is not None or opts.cloud not in ("none", "local"):
+            connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
+        gen = RoutedGenerator(
+            edge,
+            build_router(opts.router, edge.n_vocab),
+            policy,
+            sampling,
+            connect=connect,
+            sync_every=opts.sync_every,
+            cloud_model_name=cloud_name,
+            n_ctx=opts.n_ctx,
+            threads=opts.threads,
+        )
+        gen.server = server  # type: ignore[attr-defined]  # tests reach the child process through it
+        try:
+            yield gen
+        finally:
+            gen.close()
+    finally:
+        if server is not None:
+            server.stop()
+        edge.close()

@@ -1,0 +1,285 @@
+"""A thin, fast layer over llama.cpp's C API (through llama-cpp-python's ctypes bindings).
+
+Both sides use it: the device runs one sequence in a context; the cloud runs a
+sequence per session in one shared context. Everything per-token stays in C or
+in numpy views over llama.cpp's own buffers (no copies of the logits).
+
+Why the low-level API rather than `llama_cpp.Llama`: one decode must give both
+the next-token logits and the final hidden state (`embeddings=True`, pooling
+none), and the KV cache must be truncated and shared per sequence exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import llama_cpp as lc
+import numpy as np
+
+from models.registry import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """llama.cpp could not load a model file."""
+
+
+class DecodeError(RuntimeError):
+    """llama_decode failed (most often: the context is full)."""
+
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+_GGML_LOG_LEVEL_ERROR = 4  # ggml's enum: none, debug, info, warn, error, cont
+
+
+@lc.llama_log_callback
+def _llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if level == _GGML_LOG_LEVEL_ERROR:
+        log.error("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+
+def _init_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            if not os.environ.get("TOKENROUTER_LLAMA_VERBOSE"):
+                lc.llama_log_set(_llama_log, ctypes.c_void_p(0))
+            lc.llama_backend_init()
+            _initialised = True
+
+
+def default_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class LlamaModel:
+    """Weights, vocabulary and chat template of one GGUF model."""
+
+    def __init__(self, info: ModelInfo, n_gpu_layers: int = 0) -> None:
+        _init_backend()
+        self.info = info
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self.ptr = lc.llama_model_load_from_file(str(info.path).encode(), params)
+        if not self.ptr:
+            raise ModelLoadError(f"llama.cpp could not load {info.path} (corrupt or unsupported GGUF?)")
+        self.vocab = lc.llama_model_get_vocab(self.ptr)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(lc.llama_model_n_embd(self.ptr))
+        self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
+        self.bos = int(lc.llama_vocab_bos(self.vocab))
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self._piece = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}
+        self._template = self._load_template()
+
+    # ----------------------------------------------------------------- text <-> tokens
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        data = text.encode()
+        n_max = len(data) + 8
+        buf = (lc.llama_token * n_max)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
+        if n < 0:
+            raise ValueError(f"tokenizer needs {-n} slots for a {len(data)}-byte text")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """Bytes of a token as it reads in text; control tokens (e.g. <|im_end|>) read as nothing."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            n = lc.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, False)
+            piece = self._piece.raw[: max(n, 0)]
+            self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    # ----------------------------------------------------------------- chat template
+
+    def _load_template(self) -> str | None:
+        raw = lc.llama_model_chat_template(self.ptr, None)
+        return raw.decode() if raw else None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the GGUF's own Jinja template (plain text if it has none)."""
+        if self._template is None:
+            lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+            return "\n".join(lines) + ("\nAssistant:" if add_generation_prompt else "")
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        bos = self.token_bytes(self.bos).decode(errors="replace") if self.bos >= 0 else ""
+        formatter = Jinja2ChatFormatter(self._template, eos_token="", bos_token=bos, add_generation_prompt=add_generation_prompt)
+        return formatter(messages=messages).prompt
+
+    def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt)
+        tokens = self.tokenize(text, add_special=False)
+        if self.add_bos and self.bos >= 0 and (not tokens or tokens[0] != self.bos):
+            tokens.insert(0, self.bos)
+        return tokens
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeItem:
+    """Tokens to append to one sequence, starting at position `pos`."""
+
+    seq: int
+    pos: int
+    tokens: Sequence[int]
+
+
+class LlamaContext:
+    """A KV cache and compute buffers for up to `n_seq` sequences of one model.
+
+    `decode` appends tokens to sequences in one batch and requests outputs
+    (logits and hidden state) only for each item's last token; `logits(i)` and
+    `hidden(i)` are numpy views over llama.cpp's buffers, valid until the next
+    decode.
+    """
+
+    def __init__(self, model: LlamaModel, n_ctx: int = 2048, n_seq: int = 1, n_batch: int = 512, threads: int | None = None, embeddings: bool = True) -> None:
+        self.model = model
+        self.n_seq = n_seq
+        self.n_batch = n_batch
+        params = lc.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq
+        params.kv_unified = True  # sessions share one pool of KV cells: the pool is the memory budget
+        params.embeddings = embeddings
+        params.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
+        params.n_threads = params.n_threads_batch = threads or default_threads()
+        self.ptr = lc.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells for {model.info.name}")
+        self.n_ctx = int(lc.llama_n_ctx(self.ptr))
+        self.mem = lc.llama_get_memory(self.ptr)
+        self.embeddings = embeddings
+        self._batch = lc.llama_batch_init(n_batch, 0, n_seq)
+        self._n_outputs = 0
+
+    def decode(self, items: Sequence[DecodeItem]) -> list[int]:
+        """Append each item's tokens; returns, per item, the output index of its last token.
+
+        Rows longer than one batch are decoded in chunks; every item's last token
+        goes into the final chunk (they are placed at the end), so all outputs are
+        readable after this call.
+        """
+        heads = [(it.seq, it.pos + i, t) for it in items for i, t in enumerate(it.tokens[:-1])]
+        lasts = [(it.seq, it.pos + len(it.tokens) - 1, it.tokens[-1]) for it in items if it.tokens]
+        if len(lasts) > self.n_batch:
+            raise ValueError(f"at most {self.n_batch} sequences per decode")
+        rows = heads + lasts
+        final_start = max(0, len(rows) - self.n_batch)
+        for start in range(0, final_start, self.n_batch):
+            self._run(rows[start : min(start + self.n_batch, final_start)], n_out=0)
+        final = rows[final_start:]
+        self._run(final, n_out=len(lasts))
+        first_out = len(final) - len(lasts)
+        outputs, k = [], 0
+        for it in items:
+            if it.tokens:
+                outputs.append(first_out + k)
+                k += 1
+            else:
+                outputs.append(-1)
+        return outputs
+
+    def decode_one(self, seq: int, pos: int, token: int) -> None:
+        """The per-token fast path: one token, output at index 0."""
+        b = self._batch
+        b.token[0] = token
+        b.pos[0] = pos
+        b.n_seq_id[0] = 1
+        b.seq_id[0][0] = seq
+        b.logits[0] = 1
+        b.n_tokens = 1
+        rc = lc.llama_decode(self.ptr, b)
+        if rc != 0:
+            raise DecodeError(self._decode_error(rc))
+
+    def _run(self, rows: list[tuple[int, int, int]], n_out: int) -> None:
+        b = self._batch
+        n = len(rows)
+        for i, (seq, pos, tok) in enumerate(rows):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1 if i >= n - n_out else 0
+        b.n_tokens = n
+        rc = lc.llama_decode(self.ptr, b)
+        if rc != 0:
+            raise DecodeError(self._decode_error(rc))
+
+    def _decode_error(self, rc: int) -> str:
+        if rc == 1:
+            return f"KV cache full ({self.n_ctx} cells): shorten the conversation or raise n_ctx"
+        return f"llama_decode failed with code {rc}"
+
+    def logits(self, i: int) -> np.ndarray:
+        ptr = lc.llama_get_logits_ith(self.ptr, i)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def hidden(self, i: int) -> np.ndarray:
+        ptr = lc.llama_get_embeddings_ith(self.ptr, i)
+        if not ptr:
+            raise RuntimeError("no hidden state: the context was created without embeddings")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,))
+
+    # ----------------------------------------------------------------- KV cache
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Forget positions >= n of a sequence (exact rollback)."""
+        if not lc.llama_memory_seq_rm(self.mem, seq, n, -1):
+            raise RuntimeError(f"llama.cpp refused to truncate sequence {seq} at {n}")
+
+    def clear(self, seq: int) -> None:
+        lc.llama_memory_seq_rm(self.mem, seq, -1, -1)
+
+    def seq_len(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_max(self.mem, seq)) + 1
+
+    def save_seq(self, seq: int) -> bytes:
+        size = lc.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = lc.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        return bytes(buf[:n])
+
+    def load_seq(self, seq: int, state: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data(self.ptr, buf, len(state), seq) == 0:
+            raise RuntimeError(f"llama.cpp could not restore sequence {seq}")
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self.ptr)
+            self.ptr = None
+
+
+def load_model(name_or_path: str | Path) -> LlamaModel:
+    from models.registry import model_info
+
+    return LlamaModel(model_info(name_or_path))

@@ -1,0 +1,325 @@
+"""The TokenRouter wire protocol: typed messages and their WebSocket framing.
+
+One module, imported by both the device and the cloud. docs/protocol.md is the
+human-readable description; keep the two in step.
+
+Framing: a message without a payload is a WebSocket *text* frame holding one
+JSON object with a "type" field. A message with a payload (the hidden state of
+a `generate`) is a *binary* frame:
+
+    u32 big-endian header length N | N bytes of UTF-8 JSON header | payload bytes
+
+Both sides hold the same token history. `position` in a message is the length
+of that history before the message's tokens are appended, so either side can
+detect a lost or reordered message at once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # default limit for one frame, both directions
+MAX_TOKENS_PER_MESSAGE = 8192
+
+
+class ErrorCode:
+    """Machine-readable reasons carried by `error` and `reject`."""
+
+    BAD_FRAME = "bad_frame"  # not JSON / not an object / broken binary framing
+    TOO_LARGE = "too_large"  # frame over the size limit
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_FIELD = "bad_field"  # a field is missing or has the wrong type or range
+    OUT_OF_ORDER = "out_of_order"  # message not valid in this state, or position mismatch
+    UNAUTHORIZED = "unauthorized"
+    VERSION_MISMATCH = "version_mismatch"
+    VOCAB_MISMATCH = "vocab_mismatch"
+    CONTEXT_FULL = "context_full"
+    BUSY = "busy"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; `code` is one of ErrorCode."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How the next token is chosen. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 40
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(slots=True)
+class Hello:
+    """Device -> cloud, first message: who I am and what I am going to ask."""
+
+    type: ClassVar[str] = "hello"
+    version: int
+    api_key: str
+    edge_model: str  # model fingerprint of the device's model
+    tokenizer: str  # tokenizer fingerprint: must equal the cloud's
+    messages: list[dict]  # chat messages ({"role", "content"}) the answer continues
+    sampling: dict = field(default_factory=dict)  # SamplingParams as a dict
+    client: str = ""
+
+
+@dataclass(slots=True)
+class Accept:
+    """Cloud -> device: session open. n_prompt/prompt_hash let the device check templates agree."""
+
+    type: ClassVar[str] = "accept"
+    session_id: str
+    cloud_model: str
+    tokenizer: str
+    n_prompt: int
+    prompt_hash: str
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(slots=True)
+class Reject:
+    """Cloud -> device in place of accept; the connection closes after it."""
+
+    type: ClassVar[str] = "reject"
+    code: str
+    reason: str
+
+
+@dataclass(slots=True)
+class Sync:
+    """Device -> cloud: tokens the device wrote, sent eagerly so the cloud prefills early. No reply."""
+
+    type: ClassVar[str] = "sync"
+    position: int
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class Generate:
+    """Device -> cloud: a hard position. Append `tokens`, then write up to max_tokens tokens.
+
+    `hidden` (binary payload, float16) is the device model's final hidden state at
+    the position; `proposed` is the token the device would have written there.
+    """
+
+    type: ClassVar[str] = "generate"
+    request_id: int
+    position: int
+    tokens: list[int]
+    proposed: int = -1
+    max_tokens: int = 1
+    hidden: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class Tokens:
+    """Cloud -> device: tokens written for a generate. Several may answer one request; the last has final=True."""
+
+    type: ClassVar[str] = "tokens"
+    request_id: int
+    position: int  # where ids[0] goes in the history
+    ids: list[int]
+    logprobs: list[float]
+    compute_ms: float  # cloud model time spent on this message's tokens (prefill + decode)
+    final: bool = True
+    eog: bool = False  # the last id ends the generation
+
+
+@dataclass(slots=True)
+class Rollback:
+    """Device -> cloud: truncate the history (and KV cache) to `position` tokens."""
+
+    type: ClassVar[str] = "rollback"
+    position: int
+
+
+@dataclass(slots=True)
+class Close:
+    """Either side: the session ends; the cloud frees its KV cache."""
+
+    type: ClassVar[str] = "close"
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Error:
+    """Either side: a message was refused. The session stays usable unless the sender closes it."""
+
+    type: ClassVar[str] = "error"
+    code: str
+    message: str
+    request_id: int | None = None
+
+
+Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Rollback, Close, Error]
+MESSAGE_TYPES: dict[str, type] = {
+    cls.type: cls for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Rollback, Close, Error)
+}
+_HINTS = {cls: get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode(msg: Message) -> str | bytes:
+    """Message -> one WebSocket frame (str for a text frame, bytes for a binary one)."""
+    header = {"type": msg.type}
+    payload = b""
+    for f in fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, np.ndarray):
+            arr = np.ascontiguousarray(value, dtype="<f2")
+            header[f"{f.name}_dim"] = int(arr.size)
+            payload = arr.tobytes()
+        elif value is not None or f.name != "hidden":
+            header[f.name] = value
+    text = json.dumps(header, separators=(",", ":"))
+    if not payload:
+        return text
+    head = text.encode()
+    return struct.pack(">I", len(head)) + head + payload
+
+
+def decode(frame: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """One WebSocket frame -> a validated message, or ProtocolError saying what is wrong."""
+    size = len(frame) if isinstance(frame, bytes) else len(frame.encode())
+    if size > max_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {size} bytes exceeds the {max_bytes}-byte limit")
+    payload = b""
+    if isinstance(frame, bytes):
+        if len(frame) < 4:
+            raise ProtocolError(ErrorCode.BAD_FRAME, "binary frame shorter than its 4-byte header length")
+        (n,) = struct.unpack(">I", frame[:4])
+        if n > len(frame) - 4:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"binary frame declares a {n}-byte header but holds {len(frame) - 4}")
+        text, payload = frame[4 : 4 + n], frame[4 + n :]
+    else:
+        text = frame
+    try:
+        obj = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"message is not valid JSON ({exc})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise ProtocolError(ErrorCode.BAD_FRAME, 'message must be a JSON object with a string "type"')
+    cls = MESSAGE_TYPES.get(obj["type"])
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {obj['type']!r}")
+    kwargs: dict[str, Any] = {}
+    hints = _HINTS[cls]
+    for f in fields(cls):
+        if f.name == "hidden":
+            kwargs["hidden"] = _decode_hidden(obj.get("hidden_dim"), payload)
+            continue
+        if f.name not in obj:
+            if _has_default(f):
+                continue
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.type}: missing field {f.name!r}")
+        kwargs[f.name] = _check(cls.type, f.name, obj[f.name], hints[f.name])
+    if payload and "hidden" not in kwargs:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"{cls.type} carries no binary payload")
+    msg = cls(**kwargs)
+    _check_ranges(msg)
+    return msg
+
+
+def _has_default(f: Any) -> bool:
+    return f.default is not MISSING or f.default_factory is not MISSING
+
+
+def _decode_hidden(dim: Any, payload: bytes) -> np.ndarray | None:
+    if dim is None and not payload:
+        return None
+    if not isinstance(dim, int) or dim < 0 or dim * 2 != len(payload):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"hidden_dim {dim!r} does not match a {len(payload)}-byte float16 payload")
+    return np.frombuffer(payload, dtype="<f2")
+
+
+def _check(mtype: str, name: str, value: Any, hint: Any) -> Any:
+    """Check `value` against a field's annotation (the few shapes messages use)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = get_origin(hint), get_args(hint)
+    ok: bool
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    elif hint is dict:
+        ok = isinstance(value, dict)
+    elif origin is list:
+        item = args[0]
+        ok = isinstance(value, list) and len(value) <= MAX_TOKENS_PER_MESSAGE
+        if ok and item is int:
+            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        elif ok and item is float:
+            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        elif ok and item is dict:
+            ok = all(isinstance(v, dict) for v in value)
+    else:  # pragma: no cover - a message field of a type this checker does not know
+        raise TypeError(f"unchecked field type {hint!r}")
+    if not ok:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _check_ranges(msg: Message) -> None:
+    for name in ("position", "max_tokens", "request_id"):
+        value = getattr(msg, name, 0)
+        if value is not None and value < 0:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.type}: {name} must be >= 0")
+    if isinstance(msg, Generate) and msg.max_tokens < 1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "generate: max_tokens must be >= 1")
+    if isinstance(msg, Hello):
+        for m in msg.messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ProtocolError(ErrorCode.BAD_FIELD, 'hello: each message needs string "role" and "content"')
+
+
+def sampling_from_dict(obj: dict) -> SamplingParams:
+    """Validate the `sampling` object of a hello."""
+    base = asdict(SamplingParams())
+    unknown = set(obj) - set(base)
+    if unknown:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"hello: unknown sampling fields {sorted(unknown)}")
+    base.update(obj)
+    try:
+        params = SamplingParams(
+            temperature=float(base["temperature"]), top_p=float(base["top_p"]), top_k=int(base["top_k"]), seed=int(base["seed"])
+        )
+    except (TypeError, ValueError):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "hello: sampling values must be numbers") from None
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "hello: need temperature >= 0, 0 < top_p <= 1, top_k >= 1")
+    return params
+
+
+def token_hash(tokens: list[int]) -> str:
+    """Short digest of a token sequence, to check both sides hold the same prompt."""
+    import hashlib
+
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}I", *tokens)).hexdigest()[:16]

@@ -1,0 +1,46 @@
+"""Choosing a token from logits, identically on the device and in the cloud.
+
+Greedy decoding is argmax. With a temperature, candidates are cut to the top-k
+(an O(V) partition, never a full sort of the vocabulary) and then to the top-p
+nucleus; draws come from a seeded generator so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.protocol import SamplingParams
+
+
+class Sampler:
+    """Stateful sampler: one per answer stream, so seeded draws replay exactly."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0.0
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self.greedy:
+            return int(np.argmax(logits))
+        p = self.params
+        k = min(p.top_k, logits.shape[0])
+        top = np.argpartition(logits, -k)[-k:]
+        scaled = logits[top].astype(np.float64) / p.temperature
+        order = np.argsort(-scaled)
+        top, scaled = top[order], scaled[order]
+        probs = np.exp(scaled - scaled[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            top, probs = top[:keep], probs[:keep] / probs[:keep].sum()
+        return int(top[self._rng.choice(len(top), p=probs)])
+
+
+def log_softmax_at(logits: np.ndarray, token: int) -> float:
+    """log P(token) under softmax(logits), computed stably."""
+    m = float(np.max(logits))
+    return float(logits[token]) - m - float(np.log(np.sum(np.exp(logits - m))))
