@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        sock.listen(2048)  # listening before the ready line: early connections queue instead of failing
     except OSError as exc:
         sys.exit(f"tokenrouter-cloud: cannot listen on {args.host}:{args.port}: {exc.strerror}")
     port = sock.getsockname()[1]

@@ -51,6 +51,15 @@ class GenerateResult:
     eog: bool = False
 
 
+@dataclass(slots=True)
+class VerifyResult:
+    accepted: int
+    token: int = -1
+    logprob: float = 0.0
+    compute_ms: float = 0.0
+    eog: bool = False
+
+
 class CloudEngine:
     def __init__(self, info: ModelInfo, n_ctx: int = 8192, max_sessions: int = 16, threads: int | None = None) -> None:
         self.model = LlamaModel(info)
@@ -124,6 +133,54 @@ class CloudEngine:
         dt = time.perf_counter() - t0
         s.compute_s += dt
         return token, logprob, dt
+
+    def verify(self, seq: int, tokens: list[int], offsets: list[int], bonus: bool = False) -> VerifyResult:
+        """Check drafted `tokens` (appended after the history) in one forward pass.
+
+        At each offset in `offsets` the cloud's own choice (its sampler; argmax
+        when greedy) is compared with the draft. The history keeps the drafts up
+        to the first rejected offset, followed by the cloud's token there; with
+        `bonus` and no rejection, the cloud's next token is appended as well.
+        """
+        s = self._seqs[seq]
+        if not s.history:
+            raise ValueError("cannot verify from an empty history")
+        if len(tokens) + 1 > self.ctx.n_batch:
+            raise ValueError(f"at most {self.ctx.n_batch - 1} drafted tokens per verify")
+        t0 = time.perf_counter()
+        base = len(s.history)
+        if s.n_decoded == base:  # logits of the last token may be stale: redo it
+            self.ctx.truncate(seq, base - 1)
+            s.n_decoded -= 1
+        if s.n_decoded < base - 1:
+            self._decode(s, base - 1, want_logits=False)  # pending history, no outputs
+        if base + len(tokens) > self.ctx.n_ctx:
+            raise EngineFull(f"session needs {base + len(tokens)} KV cells; the server has {self.ctx.n_ctx}")
+        rows = [s.history[-1], *tokens]  # row r predicts the token at offset r
+        wanted = list(offsets) + ([len(tokens)] if bonus else [])
+        try:
+            outs = self.ctx.decode_outputs(DecodeItem(seq, base - 1, rows), wanted)
+        except DecodeError as exc:
+            self.ctx.truncate(seq, s.n_decoded)
+            raise EngineFull(str(exc)) from exc
+        result = VerifyResult(accepted=len(tokens))
+        for offset, out in zip(wanted, outs):
+            logits = self.ctx.logits(out)
+            token = s.sampler.sample(logits)
+            if offset == len(tokens) or token != tokens[offset]:
+                result.accepted, result.token, result.logprob = offset, token, log_softmax_at(logits, token)
+                break
+        keep = base + result.accepted  # drafted tokens in the history
+        self.ctx.truncate(seq, keep)
+        s.history.extend(tokens[: result.accepted])
+        s.n_decoded = keep
+        if result.token >= 0:
+            s.history.append(result.token)
+            result.eog = self.model.is_eog(result.token)
+        dt = time.perf_counter() - t0
+        s.compute_s += dt
+        result.compute_ms = dt * 1000.0
+        return result
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)

@@ -21,8 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class LocalCloudServer:
     """`with LocalCloudServer(model) as srv: srv.url, srv.api_key`."""
 
-    def __init__(self, model: str | None = None, api_key: str | None = None, extra_args: list[str] | None = None, startup_timeout_s: float = 120.0) -> None:
+    def __init__(self, model: str | None = None, api_key: str | None = None, extra_args: list[str] | None = None, startup_timeout_s: float = 120.0, port: int = 0) -> None:
         self.model = model
+        self.port = port
         self.api_key = api_key or secrets.token_urlsafe(16)
         self.extra_args = extra_args or []
         self.startup_timeout_s = startup_timeout_s
@@ -32,7 +33,7 @@ class LocalCloudServer:
         self._log: list[str] = []
 
     def start(self) -> "LocalCloudServer":
-        cmd = [sys.executable, "-m", "cloud_server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *self.extra_args]
+        cmd = [sys.executable, "-m", "cloud_server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
         if self.model:
             cmd += ["--model", str(self.model)]
         env = dict(os.environ, TOKENROUTER_API_KEYS=self.api_key, PYTHONUNBUFFERED="1")
@@ -48,7 +49,8 @@ class LocalCloudServer:
             if line.startswith(READY_LINE):
                 fields = dict(part.split("=", 1) for part in line.split()[1:])
                 self.url = fields["url"]
-                self.http_url = f"http://127.0.0.1:{fields['port']}"
+                self.port = int(fields["port"])
+                self.http_url = f"http://127.0.0.1:{self.port}"
                 threading.Thread(target=self._drain, daemon=True).start()
                 return self
         self.stop()

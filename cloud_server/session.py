@@ -28,6 +28,8 @@ from shared.protocol import (
     Rollback,
     Sync,
     Tokens,
+    Verdict,
+    Verify,
     sampling_from_dict,
     token_hash,
 )
@@ -51,6 +53,7 @@ class Connection:
         self.session_id = ""
         self.n_errors = 0
         self.cloud_tokens = 0
+        self.prefill_ms = 0.0  # prefill after hello/sync, reported with the next reply's compute_ms
 
     async def on_message(self, msg: Message) -> None:
         if isinstance(msg, Hello):
@@ -61,6 +64,8 @@ class Connection:
             return await self._sync(msg)
         if isinstance(msg, Generate):
             return await self._generate(msg)
+        if isinstance(msg, Verify):
+            return await self._verify(msg)
         if isinstance(msg, Rollback):
             return await self._rollback(msg)
         if isinstance(msg, Close):
@@ -117,7 +122,7 @@ class Connection:
 
     async def _prefill(self) -> None:
         try:
-            await self.worker.call(self.engine.prefill, self.seq)
+            self.prefill_ms += 1000.0 * await self.worker.call(self.engine.prefill, self.seq)
         except EngineFull as exc:
             raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
 
@@ -148,9 +153,25 @@ class Connection:
             eog = self.engine.is_eog(token)
             final = eog or i == msg.max_tokens - 1
             self.cloud_tokens += 1
-            await self.send(Tokens(request_id=msg.request_id, position=position + i, ids=[token], logprobs=[logprob], compute_ms=seconds * 1000.0, final=final, eog=eog))
+            compute_ms, self.prefill_ms = seconds * 1000.0 + self.prefill_ms, 0.0
+            await self.send(Tokens(request_id=msg.request_id, position=position + i, ids=[token], logprobs=[logprob], compute_ms=compute_ms, final=final, eog=eog))
             if final:
                 return
+
+    async def _verify(self, msg: Verify) -> None:
+        self._check_position("verify", msg.position)
+        self._check_tokens(msg.tokens)
+        if len(msg.tokens) >= self.engine.ctx.n_batch:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: at most {self.engine.ctx.n_batch - 1} drafted tokens")
+        try:
+            r = await self.worker.call(self.engine.verify, self.seq, msg.tokens, msg.check, msg.bonus)
+        except EngineFull as exc:
+            raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
+        self.cloud_tokens += int(r.token >= 0)
+        compute_ms, self.prefill_ms = r.compute_ms + self.prefill_ms, 0.0
+        await self.send(
+            Verdict(request_id=msg.request_id, position=msg.position, accepted=r.accepted, token=r.token, logprob=r.logprob, compute_ms=compute_ms, eog=r.eog)
+        )
 
     async def close(self) -> None:
         if self.seq is not None:

@@ -35,6 +35,8 @@ from shared.protocol import (
     SamplingParams,
     Sync,
     Tokens,
+    Verdict,
+    Verify,
     decode,
     encode,
     token_hash,
@@ -100,7 +102,8 @@ class CloudLink:
     def open(self, edge: ModelInfo, messages: list[dict], prompt: list[int], sampling: SamplingParams) -> Accept:
         """hello -> accept; then make sure the cloud holds exactly `prompt`."""
         try:
-            self._ws = connect(self.url, open_timeout=self.connect_timeout_s, max_size=self._max_bytes + 4096, compression=None)
+            # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
+            self._ws = connect(self.url, open_timeout=self.connect_timeout_s, max_size=self._max_bytes + 4096, compression=None).__enter__()
         except (OSError, TimeoutError, WebSocketException) as exc:
             self._ws = None
             raise CloudUnavailable(f"cannot connect to {self.url}: {exc}") from exc
@@ -142,7 +145,7 @@ class CloudLink:
         ws, self._ws = self._ws, None
         if ws is not None:
             try:
-                ws.close()
+                ws.__exit__(None, None, None)
             except Exception:
                 pass
 
@@ -214,6 +217,36 @@ class CloudLink:
         self.stats.round_trips += 1
         self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
         return out
+
+    def verify(self, tokens: list[int], check: list[int], bonus: bool = False) -> Verdict:
+        """Send the tokens the cloud lacks and have it check the drafts at `check` offsets.
+
+        One round trip. Afterwards the cloud holds the accepted drafts plus the
+        verdict's token (if any); `cloud_len` follows. The caller rolls its own
+        history back to `cloud_len - (token >= 0)` and appends the token.
+        """
+        request_id = self._next_request
+        self._next_request += 1
+        position = self.cloud_len
+        self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus))
+        t0 = time.perf_counter()
+        while True:
+            reply = self._recv(self.timeout_s)
+            if isinstance(reply, Error):
+                if reply.request_id in (None, request_id):
+                    self.close_quietly()
+                    raise CloudError(reply)
+                continue
+            if isinstance(reply, Verdict) and reply.request_id == request_id:
+                break
+        if reply.position != position or not 0 <= reply.accepted <= len(tokens):
+            self.close_quietly()
+            raise CloudUnavailable(f"verdict for position {reply.position} accepting {reply.accepted} does not match the verify")
+        self.cloud_len = position + reply.accepted + (1 if reply.token >= 0 else 0)
+        self.stats.cloud_compute_ms += reply.compute_ms
+        self.stats.round_trips += 1
+        self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
+        return reply
 
     # ---------------------------------------------------------------- framing
 

@@ -206,6 +206,37 @@ class LlamaContext:
                 outputs.append(-1)
         return outputs
 
+    def decode_outputs(self, item: DecodeItem, outputs: Sequence[int]) -> list[int]:
+        """Append one item's tokens with outputs at the given offsets within them (for
+        verification and scoring: one forward pass, logits at several positions).
+
+        Returns the output index of each requested offset. Tokens before the
+        last batch-sized chunk are decoded first without outputs, so every
+        requested offset must lie within the last `n_batch` tokens.
+        """
+        n = len(item.tokens)
+        if any(not 0 <= o < n for o in outputs):
+            raise ValueError(f"output offsets must be within [0, {n})")
+        final_start = max(0, n - self.n_batch)
+        if outputs and min(outputs) < final_start:
+            raise ValueError(f"outputs must lie within the last {self.n_batch} tokens of the item")
+        for start in range(0, final_start, self.n_batch):
+            end = min(start + self.n_batch, final_start)
+            self._run([(item.seq, item.pos + i, item.tokens[i]) for i in range(start, end)], n_out=0)
+        want = set(outputs)
+        b = self._batch
+        for j, i in enumerate(range(final_start, n)):
+            b.token[j] = item.tokens[i]
+            b.pos[j] = item.pos + i
+            b.n_seq_id[j] = 1
+            b.seq_id[j][0] = item.seq
+            b.logits[j] = 1 if i in want else 0
+        b.n_tokens = n - final_start
+        rc = lc.llama_decode(self.ptr, b)
+        if rc != 0:
+            raise DecodeError(self._decode_error(rc))
+        return [o - final_start for o in outputs]
+
     def decode_one(self, seq: int, pos: int, token: int) -> None:
         """The per-token fast path: one token, output at index 0."""
         b = self._batch

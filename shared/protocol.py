@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import struct
+import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
@@ -144,6 +145,40 @@ class Tokens:
 
 
 @dataclass(slots=True)
+class Verify:
+    """Device -> cloud: check drafted tokens in one round trip (router-verify, speculative decoding).
+
+    `tokens` are the device's tokens since the end of the cloud's history
+    (`position`). At each offset in `check` (ascending) the cloud compares its
+    own choice with the drafted token; unchecked offsets are taken as they are.
+    The cloud keeps the drafts up to the first rejected offset and writes its
+    token there; with `bonus` and nothing rejected it also writes the next token.
+    """
+
+    type: ClassVar[str] = "verify"
+    request_id: int
+    position: int
+    tokens: list[int]
+    check: list[int]
+    bonus: bool = False
+
+
+@dataclass(slots=True)
+class Verdict:
+    """Cloud -> device, the answer to a verify: the cloud's history is now
+    position + accepted drafted tokens, then `token` if it is >= 0."""
+
+    type: ClassVar[str] = "verdict"
+    request_id: int
+    position: int  # the verify's position
+    accepted: int  # drafted tokens kept (len(tokens) when none was rejected)
+    token: int  # the cloud's token at offset `accepted` (-1: none written)
+    logprob: float
+    compute_ms: float
+    eog: bool = False  # `token` ends the generation
+
+
+@dataclass(slots=True)
 class Rollback:
     """Device -> cloud: truncate the history (and KV cache) to `position` tokens."""
 
@@ -169,9 +204,9 @@ class Error:
     request_id: int | None = None
 
 
-Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Rollback, Close, Error]
+Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Verify, Verdict, Rollback, Close, Error]
 MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Rollback, Close, Error)
+    cls.type: cls for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Verify, Verdict, Rollback, Close, Error)
 }
 _HINTS = {cls: get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 
@@ -254,7 +289,7 @@ def _decode_hidden(dim: Any, payload: bytes) -> np.ndarray | None:
 def _check(mtype: str, name: str, value: Any, hint: Any) -> Any:
     """Check `value` against a field's annotation (the few shapes messages use)."""
     origin, args = get_origin(hint), get_args(hint)
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:
         if value is None and type(None) in args:
             return None
         hint = next(a for a in args if a is not type(None))
@@ -292,6 +327,12 @@ def _check_ranges(msg: Message) -> None:
         value = getattr(msg, name, 0)
         if value is not None and value < 0:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.type}: {name} must be >= 0")
+    if isinstance(msg, Verify):
+        n = len(msg.tokens)
+        if any(not 0 <= c < n for c in msg.check) or any(a >= b for a, b in zip(msg.check, msg.check[1:])):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: check offsets must be ascending, unique and within [0, {n})")
+        if not msg.tokens:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tokens must not be empty")
     if isinstance(msg, Generate) and msg.max_tokens < 1:
         raise ProtocolError(ErrorCode.BAD_FIELD, "generate: max_tokens must be >= 1")
     if isinstance(msg, Hello):

@@ -1,0 +1,169 @@
+"""Streaming recognition with faster-whisper's bundled tiny.en (CTranslate2, int8).
+
+Why not `WhisperModel.transcribe`: it pads every call to 30 s of audio, so the
+encoder costs ~0.4 s on a 2-core CPU however short the utterance. CTranslate2
+accepts shorter mel inputs, so we feed the utterance plus `pad_s` of silence:
+~0.09 s for a 3 s question. That makes it affordable to re-decode the whole
+utterance every few hundred milliseconds while the person speaks (partials,
+stabilised by local agreement) and to run the final decode the moment the
+person pauses, before the endpoint is even decided.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .assets import whisper_model_dir
+
+RATE = 16000
+
+
+@dataclass
+class AsrOptions:
+    language: str = "en"  # forced: tiny.en is English-only; no language detection pass
+    beam_size: int = 1
+    compute_type: str = "int8"
+    cpu_threads: int = 2
+    pad_s: float = 1.0  # silence appended before encoding; "full" context = 30 s if pad_s < 0
+    partial_interval_ms: int = 300  # re-decode while speaking at most this often
+
+
+class Transcriber:
+    """One-shot decoding of a short utterance (<= 29 s) with a context cut to its length."""
+
+    def __init__(self, opts: AsrOptions | None = None) -> None:
+        from faster_whisper import WhisperModel
+        from faster_whisper.tokenizer import Tokenizer
+
+        self.opts = opts or AsrOptions()
+        self.model = WhisperModel(
+            str(whisper_model_dir()), device="cpu", compute_type=self.opts.compute_type, cpu_threads=self.opts.cpu_threads
+        )
+        self.tokenizer = Tokenizer(self.model.hf_tokenizer, self.model.model.is_multilingual, task="transcribe", language=self.opts.language)
+        self.prompt = self.model.get_prompt(self.tokenizer, [], without_timestamps=True)
+        self.lock = threading.Lock()  # one decode at a time (CTranslate2 model shared)
+
+    def transcribe(self, audio: np.ndarray) -> str:
+        import ctranslate2
+
+        dur = len(audio) / RATE
+        if dur < 0.1:
+            return ""
+        if dur > 29.0 or self.opts.pad_s < 0:
+            segs, _ = self.model.transcribe(
+                audio, language=self.opts.language, beam_size=self.opts.beam_size,
+                without_timestamps=True, condition_on_previous_text=False, vad_filter=False,
+            )
+            return " ".join(s.text.strip() for s in segs).strip()
+        feats = self.model.feature_extractor(audio)
+        n = feats.shape[-1]
+        target = min(3000, int(np.ceil((n + self.opts.pad_s * 100) / 100.0) * 100))
+        feats = np.pad(feats, ((0, 0), (0, max(0, target - n))))[:, :target]
+        sv = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[None], dtype=np.float32))
+        with self.lock:
+            res = self.model.model.generate(
+                sv, [self.prompt], beam_size=self.opts.beam_size, max_length=int(16 + 10 * dur),
+                suppress_blank=True, suppress_tokens=[-1], return_scores=False,
+            )
+        ids = [t for t in res[0].sequences_ids[0] if t < self.tokenizer.eot]
+        return self.tokenizer.decode(ids).strip()
+
+
+def _norm(w: str) -> str:
+    return re.sub(r"[^\w']", "", w.lower())
+
+
+class LocalAgreement:
+    """Commit the words two consecutive hypotheses agree on (LocalAgreement-2).
+
+    The committed prefix only grows, so what the person sees stops flickering;
+    the rest is shown as the unstable tail.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.committed: list[str] = []
+        self._prev: list[str] = []
+
+    def update(self, hypothesis: str) -> tuple[str, str]:
+        words = hypothesis.split()
+        k = 0
+        while k < min(len(words), len(self._prev)) and _norm(words[k]) == _norm(self._prev[k]):
+            k += 1
+        if k > len(self.committed) and all(
+            _norm(a) == _norm(b) for a, b in zip(self.committed, words)
+        ):
+            self.committed = words[:k]
+        self._prev = words
+        n = len(self.committed)
+        return " ".join(self.committed), " ".join(words[n:])
+
+
+@dataclass
+class AsrJob:
+    turn: int
+    kind: str  # "partial" | "final"
+    audio: np.ndarray
+    upto_t: float  # capture time of the last sample included
+
+
+@dataclass
+class AsrResult:
+    job: AsrJob
+    text: str
+    done_t: float
+
+
+class AsrWorker:
+    """Background decoder. Partial jobs replace each other (only the newest matters);
+    a final job is never dropped by a later partial."""
+
+    def __init__(self, transcriber: Transcriber, on_result: Callable[[AsrResult], None]) -> None:
+        self.tx = transcriber
+        self.on_result = on_result
+        self._cv = threading.Condition()
+        self._job: AsrJob | None = None
+        self._closed = False
+        self.busy = False
+        self._t = threading.Thread(target=self._run, name="asr", daemon=True)
+        self._t.start()
+
+    def submit(self, job: AsrJob) -> None:
+        with self._cv:
+            if self._job is not None and self._job.kind == "final" and job.kind == "partial":
+                return
+            self._job = job
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._t.join(timeout=5)
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            with self._cv:
+                while self._job is None and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job, self._job = self._job, None
+                self.busy = True
+            try:
+                text = self.tx.transcribe(job.audio)
+            except Exception as e:  # keep the long-running app alive; report as empty
+                text = ""
+                self.last_error = e
+            with self._cv:
+                self.busy = False
+            self.on_result(AsrResult(job, text, time.monotonic()))

@@ -1,0 +1,171 @@
+"""Voice subcommands of `tokenrouter-edge`: devices, listen, file.
+
+    tokenrouter-edge devices [--json]
+    tokenrouter-edge listen [--input-device NAME|INDEX] [--output-device NAME|INDEX] [--full-duplex] ...
+    tokenrouter-edge file IN.wav --out OUT.wav [--json] [--fast]
+
+`edge_client.cli.build_parser` calls `add_subcommands`; each subparser sets
+`handler`, which `edge_client.cli.main` dispatches to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .audio_io import DeviceError
+from .wavfile import AudioFileError
+
+
+def add_voice_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("voice")
+    g.add_argument("--stop-delay-ms", type=int, default=250, help="silence that ends a turn (default 250)")
+    g.add_argument("--min-speech-ms", type=int, default=200, help="speech needed to open a turn (default 200)")
+    g.add_argument("--vad-threshold", type=float, default=0.5, help="Silero speech probability threshold")
+    g.add_argument("--barge-in-ms", type=int, default=300, help="speech needed to interrupt the reply (default 300)")
+    g.add_argument("--no-speculative", action="store_true", help="wait for the endpoint before recognising and answering")
+    g.add_argument("--max-history-tokens", type=int, default=768)
+    g.add_argument("--voice-max-tokens", type=int, default=96, help="token cap of a spoken answer")
+
+
+def add_subcommands(sub: Any) -> None:
+    from edge_client.cli import add_generation_options
+
+    d = sub.add_parser("devices", help="list audio input and output devices")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(handler=cmd_devices)
+
+    li = sub.add_parser("listen", help="talk to the assistant (terminal UI; Ctrl-C exits)")
+    li.add_argument("--input-device", help="microphone: name, unique part of a name, or index (default: system default)")
+    li.add_argument("--output-device", help="speaker: name, unique part of a name, or index")
+    li.add_argument("--full-duplex", action="store_true", help="listen while speaking (use headphones); enables barge-in")
+    add_voice_options(li)
+    add_generation_options(li)
+    li.set_defaults(handler=cmd_listen)
+
+    f = sub.add_parser("file", help="one spoken turn from a WAV file, the reply to a WAV file")
+    f.add_argument("input", metavar="IN.wav")
+    f.add_argument("--out", required=True, metavar="OUT.wav", help="where the spoken reply is written")
+    f.add_argument("--json", action="store_true", help="print one JSON object (see docs/voice.md)")
+    f.add_argument("--fast", action="store_true", help="as fast as possible instead of real-time pace (timings then mean little)")
+    add_voice_options(f)
+    add_generation_options(f)
+    f.set_defaults(handler=cmd_file)
+
+
+def voice_options_from_args(args: argparse.Namespace) -> "Any":
+    from .dialogue import DialogueOptions
+    from .pipeline import VoiceOptions
+    from .vad import VadOptions
+
+    return VoiceOptions(
+        vad=VadOptions(threshold=args.vad_threshold, min_speech_ms=args.min_speech_ms, stop_delay_ms=args.stop_delay_ms),
+        dialogue=DialogueOptions(system_prompt=args.system_prompt, max_history_tokens=args.max_history_tokens),
+        max_tokens=args.voice_max_tokens,
+        full_duplex=getattr(args, "full_duplex", False),
+        barge_in_min_ms=args.barge_in_ms,
+        speculative=not args.no_speculative,
+    )
+
+
+def _fail(msg: str) -> int:
+    print(f"tokenrouter-edge: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from .audio_io import list_devices
+
+    try:
+        devs = list_devices()
+    except DeviceError as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(devs))
+        return 0
+    if not devs:
+        print("no audio devices found (is PulseAudio/PipeWire running?)")
+    for d in devs:
+        mark = ("<" if d["default_input"] else " ") + (">" if d["default_output"] else " ")
+        print(f"{mark} {d['index']:3d}  {d['name']:40s} in={d['max_input_channels']:<3d} out={d['max_output_channels']:<3d} "
+              f"{d['default_samplerate']:.0f} Hz  ({d['hostapi']})")
+    print("(< default input, > default output; pass a name or index to --input-device / --output-device)")
+    return 0
+
+
+def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: bool = True, engines: Any = None) -> dict:
+    """One turn from IN.wav to OUT.wav; returns the `--json` object. Raises AudioFileError, NoSpeechError."""
+    from .audio_io import FileSink, FileSource
+    from .pipeline import Engines, VoicePipeline
+
+    source = FileSource(in_path, realtime=realtime)  # validates the WAV before any model loads
+    engines = engines or Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt)
+    sink = FileSink(engines.synth.rate, realtime=realtime)
+    pipe = VoicePipeline(engines, source, sink, vopts)
+    turns = pipe.run(max_turns=1)
+    sink.write(out_path)
+    return turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
+
+
+def turn_json(done: Any, out_path: str | None = None, reply_s: float | None = None) -> dict:
+    a = done.answer
+    obj = {
+        "transcript": done.transcript,
+        "answer": a.text if a is not None else done.spoken_text,
+        "routes": a.routes if a is not None else [],
+        "n_tokens": a.n_tokens if a is not None else 0,
+        "n_cloud_tokens": a.n_cloud_tokens if a is not None else 0,
+        "degraded": a.degraded if a is not None else False,
+        "interrupted": done.interrupted,
+    }
+    obj.update(done.timings.to_json())
+    if out_path is not None:
+        obj["out"] = out_path
+        obj["reply_seconds"] = round(reply_s or 0.0, 3)
+    return obj
+
+
+def latency_table(obj: dict) -> str:
+    rows = [f"  {k:20s} {'-' if v is None else f'{v:8.1f} ms'}" for k, v in obj["timings_ms"].items()]
+    rows.append(f"  {'EoS -> first audio':20s} {obj['end_of_speech_to_first_audio_ms']} ms")
+    rows.append(f"  {'endpoint -> audio':20s} {obj['endpoint_to_first_audio_ms']} ms")
+    return "latency (relative to the end of speech):\n" + "\n".join(rows)
+
+
+def cmd_file(args: argparse.Namespace) -> int:
+    from edge_client.cli import options_from_args
+    from edge_client.generator import open_generator
+
+    from .audio_io import FileSource
+    from .pipeline import NoSpeechError
+
+    try:
+        FileSource(args.input)  # fail fast on a bad file, before loading models
+        vopts = voice_options_from_args(args)
+        with open_generator(options_from_args(args)) as gen:
+            obj = run_file_turn(gen, args.input, args.out, vopts, realtime=not args.fast)
+    except (AudioFileError, NoSpeechError) as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(obj))
+        return 0
+    a = obj
+    cloud_pct = 100 * a["n_cloud_tokens"] / max(a["n_tokens"], 1)
+    print(f"transcript: {a['transcript']}")
+    print(f"answer:     {a['answer']}")
+    print(f"routing:    {a['n_tokens']} tokens, {a['n_cloud_tokens']} from the cloud ({cloud_pct:.0f}%)"
+          + (" [degraded: cloud unavailable]" if a["degraded"] else ""))
+    print(latency_table(a))
+    print(f"reply:      {args.out} ({a['reply_seconds']:.2f} s)")
+    return 0
+
+
+def cmd_listen(args: argparse.Namespace) -> int:
+    from .app import run_app
+
+    try:
+        return run_app(args)
+    except DeviceError as e:
+        return _fail(str(e))

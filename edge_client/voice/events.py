@@ -1,0 +1,68 @@
+"""Typed events the pipeline emits to its observers (the TUI, the CLI, tests).
+
+An interruption is an event like any other: observers learn that playback
+stopped and what part of the answer was actually heard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..answer import Answer, TokenEvent
+from .timings import TurnTimings
+
+
+@dataclass(frozen=True, slots=True)
+class Listening:
+    """The pipeline is ready for the person to speak."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStarted:
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class PartialTranscript:
+    stable: str  # agreed by two consecutive decodes; only grows
+    unstable: str
+
+
+@dataclass(frozen=True, slots=True)
+class FinalTranscript:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerToken:
+    token: TokenEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Interruption:
+    """Barge-in: playback and generation stopped; `heard` is what the person actually heard."""
+
+    t_onset: float  # capture time of the interrupting speech onset
+    t_stopped: float  # when playback was paused
+    heard: str
+
+
+@dataclass(slots=True)
+class TurnDone:
+    transcript: str
+    answer: Answer | None
+    spoken_text: str  # what went into the history (all of it, or only what was played)
+    interrupted: bool
+    timings: TurnTimings = field(default_factory=TurnTimings)
+    reset: bool = False  # the person asked to reset the conversation
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something the person should know (a recoverable error, a device problem)."""
+
+    level: str  # "info" | "warning" | "error"
+    message: str
+
+
+Event = Listening | SpeechStarted | PartialTranscript | FinalTranscript | AnswerToken | Interruption | TurnDone | Notice

@@ -1,0 +1,482 @@
+"""The voice pipeline: frames in, events out, speech to the sink.
+
+Stages and threads:
+  caller thread   source frames -> Silero VAD -> endpointer -> utterance buffer, partial decode requests
+  asr thread      Whisper decodes (partials while speaking; the final one at the first pause)
+  gen thread      routed generation of one turn, tokens pushed to a queue
+  tts thread      clause chunker -> Piper -> playback buffer (or held, while speculative)
+  audio thread    the device callback (or the file pacer) drains the playback buffer
+
+Speculation: at the first `speculate_after_ms` of silence the final decode runs
+and, if it yields text, generation and synthesis start with their audio held.
+When the endpoint confirms the pause, the held audio is released at once; if
+the person resumes speaking, the speculative turn is cancelled and discarded.
+So the endpoint's stop delay overlaps recognition, generation and synthesis.
+
+Barge-in (full duplex): speech onset during playback pauses the speaker at
+once; `barge_in_min_ms` of speech confirms the interruption (generation stops,
+history keeps only what was played); a shorter sound resumes playback.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ..answer import Answer, TokenEvent
+from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber
+from .audio_io import FileSource, Frame, PlaybackBuffer
+from .dialogue import Dialogue, DialogueOptions
+from .events import (
+    AnswerToken,
+    Event,
+    FinalTranscript,
+    Interruption,
+    Listening,
+    Notice,
+    PartialTranscript,
+    SpeechStarted,
+    TurnDone,
+)
+from .timings import TurnTimings
+from .tts import ClauseChunker, Synthesizer, TtsOptions
+from .vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad, VadOptions
+
+
+class NoSpeechError(RuntimeError):
+    """The input held no speech the VAD accepted."""
+
+
+@dataclass
+class VoiceOptions:
+    vad: VadOptions = field(default_factory=VadOptions)
+    asr: AsrOptions = field(default_factory=AsrOptions)
+    tts: TtsOptions = field(default_factory=TtsOptions)
+    dialogue: DialogueOptions = field(default_factory=DialogueOptions)
+    max_tokens: int = 96
+    full_duplex: bool = False  # listen while speaking (headphones); enables barge-in
+    barge_in_min_ms: int = 300  # speech needed to interrupt; shorter sounds (cough, "mm") do not
+    pause_on_onset: bool = True  # pause playback at the first voiced frame, resume if it was noise
+    speculative: bool = True  # decode + generate at the first pause, release at the endpoint
+    speculate_after_ms: int = 64
+    max_utterance_s: float = 28.0
+
+
+class Sink(Protocol):
+    buffer: PlaybackBuffer
+    rate: int
+    source_rate: int
+
+    def put(self, audio: np.ndarray) -> int: ...
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    def frames(self, stop: threading.Event): ...
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Engines:
+    """The models, loaded once and shared by every pipeline run (VAD is per pipeline: it has state)."""
+
+    def __init__(self, gen: Any, asr: AsrOptions | None = None, tts: TtsOptions | None = None, system_prompt: str | None = None) -> None:
+        self.gen = gen
+        self.transcriber = Transcriber(asr)
+        self.synth = Synthesizer(tts)
+        self.transcriber.transcribe(np.zeros(16000, np.float32))  # warm-up
+        # Prefill the system prompt once (edge and cloud), so the first turn does not pay for it.
+        prompt = system_prompt or DialogueOptions().system_prompt
+        gen.generate([{"role": "system", "content": prompt}, {"role": "user", "content": "Hello."}], max_tokens=1)
+
+
+class Turn:
+    """One answer: generation -> clause chunks -> Piper -> (held or live) playback."""
+
+    def __init__(self, p: "VoicePipeline", user_text: str, timings: TurnTimings, held: bool) -> None:
+        self.p = p
+        self.user_text = user_text
+        self.timings = timings
+        self.stop = threading.Event()
+        self.answer: Answer | None = None
+        self.error: BaseException | None = None
+        self.segments: list[list[Any]] = []  # [text, samples queued in sink rate]
+        self.synth_done = threading.Event()
+        self.released = not held
+        self._held_audio: list[np.ndarray] = []
+        self._held_tokens: list[TokenEvent] = []
+        self._lock = threading.Lock()
+        self._tokq: queue.SimpleQueue = queue.SimpleQueue()
+        if self.released:
+            p.sink.buffer.start_turn()
+        self._gen_t = threading.Thread(target=self._generate, args=(p.dialogue.messages(user_text),), name="gen", daemon=True)
+        self._tts_t = threading.Thread(target=self._speak, name="tts", daemon=True)
+        self._gen_t.start()
+        self._tts_t.start()
+
+    # generation thread
+    def _generate(self, messages: list[dict]) -> None:
+        def on_token(ev: TokenEvent) -> None:
+            self.timings.mark("llm_first_token", time.monotonic())
+            self._tokq.put(ev)
+
+        try:
+            self.answer = self.p.engines.gen.generate(messages, max_tokens=self.p.opts.max_tokens, on_token=on_token, stop=self.stop)
+        except BaseException as e:  # reported by the tts thread; the app keeps running
+            self.error = e
+        self._tokq.put(None)
+
+    # synthesis thread
+    def _speak(self) -> None:
+        chunker = ClauseChunker(self.p.opts.tts)
+        synth = self.p.engines.synth
+        while not self.stop.is_set():
+            item = self._tokq.get()
+            if item is None:
+                pieces = chunker.flush()
+            else:
+                self._token(item)
+                pieces = chunker.feed(item.text)
+            for piece in pieces:
+                if self.stop.is_set():
+                    break
+                self.timings.mark("first_clause_ready", time.monotonic())
+                seg = [piece, 0]
+                self.segments.append(seg)
+                for audio in synth.chunks(piece):
+                    if self.stop.is_set():
+                        break
+                    self.timings.mark("tts_first_audio", time.monotonic())
+                    seg[1] += self._audio(audio)
+            if item is None:
+                break
+        if self.error is not None:
+            self.p.emit(Notice("error", f"generation failed: {self.error}"))
+        self.synth_done.set()
+
+    def _token(self, ev: TokenEvent) -> None:
+        with self._lock:
+            if not self.released:
+                self._held_tokens.append(ev)
+                return
+        self.p.emit(AnswerToken(ev))
+
+    def _audio(self, audio: np.ndarray) -> int:
+        with self._lock:
+            if not self.released:
+                self._held_audio.append(audio)
+                return int(round(len(audio) * self.p.sink.rate / self.p.sink.source_rate))
+        return self.p.sink.put(audio)
+
+    def release(self) -> None:
+        """The endpoint confirmed the turn: play what is held, stream the rest."""
+        with self._lock:
+            self.p.sink.buffer.start_turn()
+            for a in self._held_audio:
+                self.p.sink.put(a)
+            tokens, self._held_tokens, self._held_audio = self._held_tokens, [], []
+            self.released = True
+        for ev in tokens:
+            self.p.emit(AnswerToken(ev))
+
+    def cancel(self) -> None:
+        self.stop.set()
+
+    def finished(self) -> bool:
+        return self.synth_done.is_set() and self.p.sink.buffer.pending <= 0
+
+    def join(self, timeout: float = 10.0) -> None:
+        self._gen_t.join(timeout)
+        self._tts_t.join(timeout)
+
+    def heard_text(self, played: int) -> str:
+        """The answer text the person heard: whole chunks played, plus the played share of the current one."""
+        out, left = "", played
+        for text, n in self.segments:
+            if left >= n:
+                out += text
+                left -= n
+                continue
+            if n and left > 0:
+                words = text.split()
+                out += " " + " ".join(words[: int(len(words) * left / n)])
+            break
+        return " ".join(out.split())
+
+    @property
+    def full_text(self) -> str:
+        return self.answer.text if self.answer is not None else "".join(s[0] for s in self.segments)
+
+
+@dataclass
+class _Utterance:
+    """What the listener knows about the utterance in progress."""
+
+    timings: TurnTimings
+    audio: list[np.ndarray] = field(default_factory=list)
+    last_partial_samples: int = 0
+    spec_voiced_t: float | None = None  # last voiced frame the speculative decode covers
+    spec_text: str | None = None
+    spec_turn: Turn | None = None
+    endpointed: bool = False
+
+
+class VoicePipeline:
+    """Runs turns from a source to a sink; `run` returns when stopped or after `max_turns`."""
+
+    def __init__(
+        self,
+        engines: Engines,
+        source: Source,
+        sink: Sink,
+        opts: VoiceOptions | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        dialogue: Dialogue | None = None,
+    ) -> None:
+        self.engines = engines
+        self.source, self.sink = source, sink
+        self.opts = opts or VoiceOptions()
+        self.on_event = on_event
+        self.dialogue = dialogue or Dialogue(self.opts.dialogue, engines.gen.count_tokens)
+        self.vad = SileroVad()
+        self.endpointer = Endpointer(self.opts.vad)
+        self.agreement = LocalAgreement()
+        self.turns: list[TurnDone] = []
+        self.events: list[Event] = []
+        self._lock = threading.RLock()
+        self._utt: _Utterance | None = None
+        self._utt_id = 0
+        self._playing: Turn | None = None
+        self._preroll: deque[np.ndarray] = deque(maxlen=max(1, int(self.opts.vad.preroll_ms / 1000 / FRAME_S)))
+        self._pending = np.zeros(0, np.float32)
+        self._pause_t: float | None = None
+        self._onset_t: float | None = None
+        self._silence_ms = 0.0
+        self._asr = AsrWorker(engines.transcriber, self._on_asr)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def emit(self, ev: Event) -> None:
+        self.events.append(ev)
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:  # an observer must never take the pipeline down
+                pass
+
+    def run(self, stop: threading.Event | None = None, max_turns: int | None = None) -> list[TurnDone]:
+        stop = stop or threading.Event()
+        self.sink.start()
+        self.source.start()
+        self.emit(Listening())
+        try:
+            for frame in self.source.frames(stop):
+                with self._lock:
+                    self._feed(frame)
+                    self._check_playing()
+                    if max_turns is not None and len(self.turns) >= max_turns and self._playing is None:
+                        break
+                    self._check_no_speech(frame)
+        finally:
+            with self._lock:
+                for t in (self._playing, self._utt.spec_turn if self._utt else None):
+                    if t is not None:
+                        t.cancel()
+            self.source.close()
+            self.sink.close()
+            self._asr.close()
+        return self.turns
+
+    def _check_no_speech(self, frame: Frame) -> None:
+        src = self.source
+        if not isinstance(src, FileSource) or src.t0 is None or self._utt is not None or self.turns or self._playing:
+            return
+        if self.endpointer.state == "idle" and frame.t_end - src.t0 > src.duration_s + self.opts.vad.stop_delay_ms / 1000 + 0.5:
+            raise NoSpeechError("no speech detected in the input (silence or noise only); speak closer to the microphone or check the file")
+
+    # ------------------------------------------------------------------ listening
+
+    def _feed(self, frame: Frame) -> None:
+        x = np.concatenate([self._pending, frame.samples]) if len(self._pending) else frame.samples
+        n = len(x) // FRAME
+        for i in range(n):
+            t = frame.t_end - (len(x) - (i + 1) * FRAME) / 16000
+            self._on_vad_frame(x[i * FRAME:(i + 1) * FRAME], t)
+        self._pending = x[n * FRAME:].copy()
+
+    def _on_vad_frame(self, x: np.ndarray, t: float) -> None:
+        ep = self.endpointer
+        if self._playing is not None and not self.opts.full_duplex:
+            if ep.state != "idle":  # half duplex: the microphone is ignored while the assistant speaks
+                ep.reset()
+                self._utt = None
+            self._preroll.clear()
+            return
+        ep.min_speech_ms = self.opts.barge_in_min_ms if self._playing is not None else self.opts.vad.min_speech_ms
+        prob = self.vad(x)
+        self._preroll.append(x)
+        if ep.state != "idle" and self._utt is not None:
+            self._utt.audio.append(x)
+        ev = ep.update(prob, t)
+        if ev is Ev.ONSET:
+            self._utt = _Utterance(TurnTimings(), audio=list(self._preroll))
+            self._onset_t = ep.onset_t
+            if self._playing is not None and self.opts.pause_on_onset:
+                self.sink.buffer.paused = True
+                self._pause_t = time.monotonic()
+        elif ev is Ev.FALSE_START:
+            self._utt = None
+            if self._pause_t is not None:
+                self.sink.buffer.paused = False
+                self._pause_t = None
+        elif ev is Ev.START:
+            self._utt_id += 1
+            self.agreement.reset()
+            assert self._utt is not None
+            self._utt.timings.speech_start = ep.onset_t
+            if self._playing is not None:
+                self._interrupt(self._playing, ep.onset_t)
+            self.emit(SpeechStarted(ep.onset_t))
+        elif ev is Ev.PAUSE:
+            self._silence_ms = FRAME_S * 1000
+        elif ev is Ev.RESUME:
+            self._drop_speculation()
+        elif ev is Ev.END:
+            self._endpoint(t)
+        if ep.state == "pause" and ev is not Ev.PAUSE:
+            self._silence_ms += FRAME_S * 1000
+        if ep.state in ("speech", "pause") and self._utt is not None:
+            self._maybe_decode(t)
+
+    def _maybe_decode(self, t: float) -> None:
+        u, o = self._utt, self.opts
+        assert u is not None
+        n = len(u.audio) * FRAME
+        if n / 16000 > o.max_utterance_s:
+            self.endpointer.state = "idle"
+            self._endpoint(t)
+            return
+        if self.endpointer.state == "pause":
+            if o.speculative and u.spec_voiced_t is None and self._silence_ms >= o.speculate_after_ms:
+                u.spec_voiced_t = self.endpointer.last_voiced_t
+                self._asr.submit(AsrJob(self._utt_id, "final", np.concatenate(u.audio), u.spec_voiced_t))
+            return
+        if (n - u.last_partial_samples) / 16000 * 1000 >= o.asr.partial_interval_ms and not self._asr.busy:
+            u.last_partial_samples = n
+            self._asr.submit(AsrJob(self._utt_id, "partial", np.concatenate(u.audio), t))
+
+    def _drop_speculation(self) -> None:
+        u = self._utt
+        if u is None:
+            return
+        if u.spec_turn is not None:
+            u.spec_turn.cancel()
+        u.spec_turn, u.spec_text, u.spec_voiced_t = None, None, None
+
+    def _endpoint(self, t: float) -> None:
+        u = self._utt
+        if u is None:
+            return
+        u.endpointed = True
+        u.timings.speech_end = self.endpointer.last_voiced_t
+        u.timings.endpoint_decided = time.monotonic()
+        if u.spec_voiced_t == self.endpointer.last_voiced_t:
+            if u.spec_text is not None:  # speculative decode done: its text is final
+                self._final(u, u.spec_text)
+            return  # else the decode in flight finishes the turn in _on_asr
+        u.spec_voiced_t = self.endpointer.last_voiced_t
+        self._asr.submit(AsrJob(self._utt_id, "final", np.concatenate(u.audio), u.spec_voiced_t))
+
+    # ------------------------------------------------------------------ recognition results (asr thread)
+
+    def _on_asr(self, r: AsrResult) -> None:
+        with self._lock:
+            u = self._utt
+            if u is None or r.job.turn != self._utt_id:
+                return
+            if r.job.kind == "partial":
+                if not u.endpointed and u.spec_voiced_t is None:
+                    stable, unstable = self.agreement.update(r.text)
+                    self.emit(PartialTranscript(stable, unstable))
+                return
+            if r.job.upto_t != u.spec_voiced_t:  # speech resumed after this decode started
+                return
+            u.timings.asr_final = r.done_t
+            if u.endpointed:
+                self._final(u, r.text)
+                return
+            u.spec_text = r.text
+            if r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
+                u.spec_turn = Turn(self, r.text, u.timings, held=True)
+
+    def _final(self, u: _Utterance, text: str) -> None:
+        """The endpoint is decided and the transcript is final: answer (or reset)."""
+        self._utt = None
+        text = text.strip()
+        self.emit(FinalTranscript(text))
+        if not text:
+            self.emit(Notice("warning", "heard speech but could not recognise words; please repeat"))
+            self.emit(Listening())
+            return
+        if Dialogue.is_reset_command(text):
+            self.dialogue.reset()
+            done = TurnDone(text, None, "", False, u.timings, reset=True)
+            self.turns.append(done)
+            self.emit(done)
+            self.emit(Notice("info", "conversation reset"))
+            self.emit(Listening())
+            return
+        turn = u.spec_turn
+        if turn is None:
+            turn = Turn(self, text, u.timings, held=False)
+        else:
+            turn.release()
+        self._playing = turn
+
+    # ------------------------------------------------------------------ playback and barge-in
+
+    def _check_playing(self) -> None:
+        turn = self._playing
+        if turn is None:
+            return
+        buf = self.sink.buffer
+        if buf.first_out_t is not None:
+            turn.timings.mark("first_audio_out", buf.first_out_t)
+        if not turn.finished():
+            return
+        turn.join()
+        self._playing = None
+        text = turn.full_text.strip()
+        self.dialogue.add_exchange(turn.user_text, text)
+        done = TurnDone(turn.user_text, turn.answer, text, False, turn.timings)
+        self.turns.append(done)
+        self.vad.reset()
+        self.endpointer.reset()
+        self.emit(done)
+        self.emit(Listening())
+
+    def _interrupt(self, turn: Turn, onset_t: float) -> None:
+        """Barge-in confirmed: stop generation and playback; keep only what was heard."""
+        t_stopped = self._pause_t or time.monotonic()
+        self.sink.buffer.paused = True
+        turn.cancel()
+        played = self.sink.buffer.flush()
+        self.sink.buffer.paused = False
+        self._pause_t = None
+        if self.sink.buffer.first_out_t is not None:
+            turn.timings.mark("first_audio_out", self.sink.buffer.first_out_t)
+        heard = turn.heard_text(played)
+        turn._gen_t.join(1.0)  # generation stops within a token
+        self._playing = None
+        self.dialogue.add_exchange(turn.user_text, heard)
+        self.emit(Interruption(onset_t, t_stopped, heard))
+        done = TurnDone(turn.user_text, turn.answer, heard, True, turn.timings)
+        self.turns.append(done)
+        self.emit(done)

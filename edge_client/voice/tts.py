@@ -1,0 +1,102 @@
+"""Speech out: the clause chunker (text stream -> speakable pieces) and Piper.
+
+The first piece is cut at the first clause boundary (, ; : . ! ? or a line
+break) so speech can start after a handful of tokens; later pieces are whole
+sentences, which Piper renders with better prosody. A piece that grows past
+`max_words` without punctuation is cut at a space so a run-on answer cannot
+stall the voice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .assets import piper_voice_path
+
+
+@dataclass
+class TtsOptions:
+    length_scale: float | None = None  # < 1 speaks faster
+    first_max_words: int = 10
+    max_words: int = 40
+    min_first_chars: int = 2  # do not speak a lone "A," as a chunk
+
+
+_CLAUSE_END = re.compile(r"[,;:.!?](?=\s)|\n")
+_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")
+
+
+class ClauseChunker:
+    """Feed token texts; get back speakable chunks as soon as they are complete."""
+
+    def __init__(self, opts: TtsOptions | None = None) -> None:
+        self.opts = opts or TtsOptions()
+        self.buf = ""
+        self.n_emitted = 0
+
+    def feed(self, text: str) -> list[str]:
+        self.buf += text
+        out = []
+        while True:
+            first = self.n_emitted == 0
+            pat = _CLAUSE_END if first else _SENTENCE_END
+            cut = None
+            for m in pat.finditer(self.buf):
+                if len(self.buf[: m.end()].strip()) >= self.opts.min_first_chars:
+                    cut = m.end()
+                    break
+            if cut is None:
+                limit = self.opts.first_max_words if first else self.opts.max_words
+                words = self.buf.split()
+                if len(words) > limit and self.buf[-1:].isspace():
+                    cut = len(self.buf.rstrip())
+            if cut is None:
+                return out
+            piece, self.buf = self.buf[:cut], self.buf[cut:]
+            if piece.strip():
+                out.append(piece)
+                self.n_emitted += 1
+
+    def flush(self) -> list[str]:
+        piece, self.buf = self.buf, ""
+        if piece.strip():
+            self.n_emitted += 1
+            return [piece]
+        return []
+
+
+_MARKUP = re.compile(r"[*_#`>|~]+|^\s*[-+]\s+|^\s*\d+\.\s+", re.MULTILINE)
+
+
+def speakable(text: str) -> str:
+    """Strip markdown the voice would read out literally."""
+    return re.sub(r"\s+", " ", _MARKUP.sub(" ", text)).strip()
+
+
+class Synthesizer:
+    """Piper with the bundled en_US-joe-medium voice, loaded once and warmed up."""
+
+    def __init__(self, opts: TtsOptions | None = None) -> None:
+        from piper import PiperVoice, SynthesisConfig
+
+        self.opts = opts or TtsOptions()
+        self.voice = PiperVoice.load(str(piper_voice_path()))
+        self.rate = int(self.voice.config.sample_rate)
+        self._cfg = SynthesisConfig(length_scale=self.opts.length_scale)
+        self.synthesize("Ready.")  # first run initialises onnxruntime kernels
+
+    def chunks(self, text: str) -> Iterator[np.ndarray]:
+        """Float32 audio, one array per sentence Piper finds in `text`."""
+        t = speakable(text)
+        if not t:
+            return
+        for c in self.voice.synthesize(t, syn_config=self._cfg):
+            yield c.audio_float_array
+
+    def synthesize(self, text: str) -> np.ndarray:
+        parts = list(self.chunks(text))
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)

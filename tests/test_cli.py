@@ -1,0 +1,46 @@
+"""The command-line entry points, run as a user runs them (child processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "edge_client.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_ask_json_with_a_local_cloud(tmp_path):
+    log_path = tmp_path / "routes.jsonl"
+    p = run("ask", "what is the capital of france", "--json", "--max-tokens", "24", "--threshold", "0.6", "--routing-log", str(log_path))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    for key in ("text", "tokens", "routes", "scores", "n_tokens", "n_cloud_tokens", "policy", "degraded", "latency_ms", "bytes_up", "bytes_down", "edge_model", "cloud_model"):
+        assert key in out, key
+    for key in ("first_token", "per_token_p50", "per_token_p95", "total", "router_p50"):
+        assert out["latency_ms"][key] >= 0
+    assert out["n_tokens"] == len(out["tokens"]) == len(out["routes"]) == len(out["scores"])
+    assert out["n_cloud_tokens"] == out["routes"].count("cloud") > 0
+    assert [s >= 0.6 for s in out["scores"]] == [r == "cloud" for r in out["routes"]]
+    assert out["policy"] == "router" and out["degraded"] is False and out["bytes_up"] > 0
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [r["writer"] for r in rows] == out["routes"]
+
+
+def test_human_output_marks_cloud_tokens():
+    p = run("ask", "what is the capital of france", "--max-tokens", "12", "--threshold", "0.0")
+    assert p.returncode == 0, p.stderr
+    assert "«" in p.stdout and "from the cloud" in p.stdout
+
+
+def test_unreachable_cloud_degrades_and_bad_model_is_named(tmp_path):
+    p = run("ask", "hello", "--json", "--max-tokens", "6", "--cloud", "ws://127.0.0.1:9/v1/route", "--threshold", "0.0")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["degraded"] is True and out["n_cloud_tokens"] == 0 and out["n_tokens"] > 0
+    p = run("ask", "hello", "--edge-model", str(tmp_path / "missing.gguf"), "--cloud", "none")
+    assert p.returncode != 0 and "missing.gguf" in p.stderr and "neither a registered name" in p.stderr

@@ -1,0 +1,147 @@
+"""The cloud server over a real WebSocket on loopback: auth, bad input, failover."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import urllib.request
+
+import pytest
+from websockets.sync.client import connect
+
+from cloud_server.local import LocalCloudServer
+from edge_client.cloud_link import CloudLink, CloudRejected
+from models.registry import DEFAULT_CLOUD_MODEL
+from shared.llama_backend import LlamaModel
+from shared.protocol import PROTOCOL_VERSION, MAX_MESSAGE_BYTES, ErrorCode, Generate, Hello, SamplingParams, Sync, decode, encode
+from tests.conftest import chat
+from tests.helpers import make_generator
+
+
+def hello(server: LocalCloudServer, info, key: str | None = None, tokenizer: str | None = None) -> Hello:
+    return Hello(
+        version=PROTOCOL_VERSION,
+        api_key=server.api_key if key is None else key,
+        edge_model=info.fingerprint,
+        tokenizer=info.tokenizer_fingerprint if tokenizer is None else tokenizer,
+        messages=chat("hi"),
+    )
+
+
+def exchange(ws, frame) -> object:
+    ws.send(frame)
+    return decode(ws.recv(timeout=10), 1 << 22)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_health_and_info(cloud_server, cloud_info):
+    assert get_json(cloud_server.http_url + "/healthz")["status"] == "ok"
+    info = get_json(cloud_server.http_url + "/v1/info")
+    assert info["model_fingerprint"] == cloud_info.fingerprint
+    assert info["tokenizer_fingerprint"] == cloud_info.tokenizer_fingerprint
+    assert info["protocol_version"] == PROTOCOL_VERSION and info["auth_required"] is True
+
+
+@pytest.mark.parametrize("key", ["", "wrong-key"])
+def test_missing_or_wrong_key_is_rejected(cloud_server, edge_info, key):
+    with connect(cloud_server.url) as ws:
+        reply = exchange(ws, encode(hello(cloud_server, edge_info, key=key)))
+    assert reply.type == "reject" and reply.code == ErrorCode.UNAUTHORIZED
+    assert "API key" in reply.reason
+
+
+def test_right_key_is_accepted_and_prompt_matches(cloud_server, edge_info):
+    edge = LlamaModel(edge_info)
+    try:
+        prompt = edge.chat_tokens(chat("hi"))
+    finally:
+        edge.close()
+    link = CloudLink(cloud_server.url, cloud_server.api_key)
+    accept = link.open(edge_info, chat("hi"), prompt, SamplingParams())
+    assert accept.n_prompt == len(prompt) and link.cloud_len == len(prompt)
+    link.close()
+
+
+def test_vocabulary_mismatch_is_rejected_at_hello(cloud_server, edge_info):
+    with connect(cloud_server.url) as ws:
+        reply = exchange(ws, encode(hello(cloud_server, edge_info, tokenizer="sha256:" + "0" * 32)))
+    assert reply.type == "reject" and reply.code == ErrorCode.VOCAB_MISMATCH
+    assert "vocabulary" in reply.reason
+
+
+def test_vocabulary_mismatch_with_a_real_other_model(cloud_server):
+    """Gemma-3-270M (a different tokenizer) as the device model: refused with a clear error."""
+    from models.registry import model_info
+
+    gemma = model_info("gemma3-270m")
+    link = CloudLink(cloud_server.url, cloud_server.api_key)
+    with pytest.raises(CloudRejected) as err:
+        link.open(gemma, chat("hi"), [1, 2, 3], SamplingParams())
+    assert err.value.code == ErrorCode.VOCAB_MISMATCH
+
+
+def test_bad_frames_get_errors_and_the_server_keeps_serving(cloud_server, edge_info):
+    bad = [
+        (os.urandom(64), ErrorCode.BAD_FRAME),  # random bytes
+        ("not json at all", ErrorCode.BAD_FRAME),
+        (b"\x00\x00\x10\x00{}", ErrorCode.BAD_FRAME),  # header length beyond the frame
+        ("x" * (MAX_MESSAGE_BYTES + 10), ErrorCode.TOO_LARGE),
+        (json.dumps({"type": "teleport"}), ErrorCode.UNKNOWN_TYPE),
+        (json.dumps({"type": "sync", "position": "zero", "tokens": []}), ErrorCode.BAD_FIELD),
+        (encode(Sync(position=0, tokens=[1])), ErrorCode.OUT_OF_ORDER),  # before hello
+        (encode(Generate(request_id=5, position=0, tokens=[])), ErrorCode.OUT_OF_ORDER),
+    ]
+    with connect(cloud_server.url, max_size=None) as ws:
+        for frame, code in bad:
+            reply = exchange(ws, frame)
+            assert reply.type == "error" and reply.code == code, (frame[:40], reply)
+        # the same connection can still open a session; then out-of-order positions are refused
+        assert exchange(ws, encode(hello(cloud_server, edge_info))).type == "accept"
+        reply = exchange(ws, encode(Generate(request_id=9, position=3, tokens=[])))
+        assert reply.type == "error" and reply.code == ErrorCode.OUT_OF_ORDER and reply.request_id == 9
+        reply = exchange(ws, encode(hello(cloud_server, edge_info)))
+        assert reply.type == "error" and reply.code == ErrorCode.OUT_OF_ORDER
+    # and a fresh device session is served normally
+    edge = LlamaModel(edge_info)
+    gen = make_generator(edge, cloud_server, threshold=0.0)
+    try:
+        a = gen.generate(chat("what is two plus two"), max_tokens=6)
+        assert not a.degraded and a.n_cloud_tokens == a.n_tokens
+    finally:
+        gen.close()
+        edge.close()
+    assert get_json(cloud_server.http_url + "/healthz")["sessions"] == 0
+
+
+def test_server_killed_mid_answer_device_finishes_and_reconnects(edge_info):
+    edge = LlamaModel(edge_info)
+    server = LocalCloudServer(model=DEFAULT_CLOUD_MODEL).start()
+    gen = make_generator(edge, server, threshold=0.0, timeout_s=3.0)
+    killed = threading.Event()
+
+    def kill_after_five(ev) -> None:
+        if ev.index == 4 and not killed.is_set():
+            killed.set()
+            server.kill()
+
+    try:
+        a = gen.generate(chat("tell me about the moon"), max_tokens=24, on_token=kill_after_five)
+        assert killed.is_set() and a.degraded
+        assert a.n_tokens == 24 or a.finish_reason == "stop"
+        assert a.routes[:5] == ["cloud"] * 5
+        assert "cloud" not in a.routes[6:], "after the kill every token must come from the device"
+        assert a.text.strip()
+        # a new server on the same port: the next question reconnects and routes again
+        server = LocalCloudServer(model=DEFAULT_CLOUD_MODEL, api_key=server.api_key, port=server.port).start()
+        b = gen.generate(chat("tell me about the sun"), max_tokens=8)
+        assert not b.degraded and b.n_cloud_tokens == b.n_tokens
+    finally:
+        gen.close()
+        server.stop()
+        edge.close()

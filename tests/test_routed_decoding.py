@@ -1,0 +1,120 @@
+"""Token-routed decoding end to end: real models, a real cloud server on loopback, a real WebSocket."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_client.generator import RoutedGenerator
+from shared.llama_backend import LlamaModel
+from shared.policy import replay_decisions
+from shared.router import RandomRouter
+from tests.conftest import QUESTIONS, chat
+from tests.helpers import make_generator, reference_greedy
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def edge_model(edge_info):
+    model = LlamaModel(edge_info)
+    yield model
+    model.close()
+
+
+def answer_tokens(gen: RoutedGenerator, question: str) -> tuple[list[int], list[str]]:
+    a = gen.generate(chat(question), max_tokens=MAX_TOKENS)
+    assert not a.degraded, "the cloud was lost during a test that needs it"
+    return a.tokens, a.routes
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0])
+def test_lossless_with_same_model_on_both_sides(edge_model, edge_info, same_model_server, threshold):
+    """Same GGUF on device and cloud, greedy: routing must not change a single token.
+
+    Threshold 0 routes every position, 1 almost none; any slip in sync, rollback
+    or acceptance would show up as a different token.
+    """
+    edge_only = make_generator(edge_model, None, mode="edge")
+    routed = make_generator(edge_model, same_model_server, threshold=threshold)
+    try:
+        for q in QUESTIONS:
+            expected, _ = answer_tokens(edge_only, q)
+            got, routes = answer_tokens(routed, q)
+            assert got == expected, f"routing changed the answer to {q!r} at threshold {threshold}"
+            if threshold == 0.0:
+                assert set(routes) == {"cloud"}
+    finally:
+        edge_only.close()
+        routed.close()
+
+
+def test_lossless_with_random_routing_and_multi_turn(edge_model, same_model_server):
+    """Random decisions (different each position) and a follow-up turn on the same session."""
+    edge_only = make_generator(edge_model, None, mode="edge")
+    routed = make_generator(edge_model, same_model_server, threshold=0.5, router=RandomRouter(seed=7), sync_every=3)
+    try:
+        history = chat(QUESTIONS[0])
+        expected = edge_only.generate(history, max_tokens=MAX_TOKENS)
+        got = routed.generate(history, max_tokens=MAX_TOKENS)
+        assert got.tokens == expected.tokens
+        assert 0 < got.n_cloud_tokens < got.n_tokens
+        follow = history + [{"role": "assistant", "content": got.text}, {"role": "user", "content": "and in french?"}]
+        expected2 = edge_only.generate(follow, max_tokens=MAX_TOKENS)
+        got2 = routed.generate(follow, max_tokens=MAX_TOKENS)
+        assert got2.tokens == expected2.tokens
+        assert got2.n_cloud_tokens > 0 and not got2.degraded
+    finally:
+        edge_only.close()
+        routed.close()
+
+
+def test_policies_match_each_model_alone(edge_model, edge_info, cloud_info, cloud_server):
+    """Default pair: `cloud` = the cloud model's own greedy output, `edge` = the edge model's."""
+    cloud_gen = make_generator(edge_model, cloud_server, mode="cloud")
+    edge_gen = make_generator(edge_model, cloud_server, mode="edge")
+    try:
+        for q in QUESTIONS[:2]:
+            c = cloud_gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            assert not c.degraded and set(c.routes) == {"cloud"}
+            assert c.tokens == reference_greedy(cloud_info, chat(q), MAX_TOKENS)
+            assert c.round_trips == 1, "cloud-only should stream the whole answer from one request"
+            e = edge_gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            assert set(e.routes) == {"edge"} and e.bytes_up == 0
+            assert e.tokens == reference_greedy(edge_info, chat(q), MAX_TOKENS)
+        assert c.tokens != e.tokens, "the default pair should differ somewhere (else routing is moot)"
+    finally:
+        cloud_gen.close()
+        edge_gen.close()
+
+
+@pytest.mark.parametrize("threshold,warmup,hysteresis", [(0.6, 0, 0.0), (0.5, 3, 0.2)])
+def test_router_routes_exactly_the_tokens_over_threshold(edge_model, cloud_server, threshold, warmup, hysteresis):
+    gen = make_generator(edge_model, cloud_server, threshold=threshold, warmup=warmup, hysteresis=hysteresis)
+    try:
+        total_cloud = 0
+        for q in QUESTIONS:
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            assert not a.degraded
+            expected = replay_decisions(a.scores, threshold, warmup, hysteresis)
+            assert [r == "cloud" for r in a.routes] == expected
+            assert all(r == "edge" for r in a.routes[:warmup])
+            total_cloud += a.n_cloud_tokens
+            assert a.round_trips == a.n_cloud_tokens  # one round trip per hard token
+        assert total_cloud > 0
+    finally:
+        gen.close()
+
+
+def test_cloud_fraction_target_is_approached(edge_model, cloud_server):
+    from shared.policy import PolicyConfig, RoutingPolicy
+
+    gen = make_generator(edge_model, cloud_server)
+    gen.policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3))
+    try:
+        n = c = 0
+        for q in QUESTIONS * 2:
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            n, c = n + a.n_tokens, c + a.n_cloud_tokens
+        assert 0.15 <= c / n <= 0.45, f"cloud fraction {c / n:.2f} far from the 0.30 target"
+    finally:
+        gen.close()
