@@ -36,6 +36,8 @@ class LocalCloudServer:
         cmd = [sys.executable, "-m", "cloud_server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
         if self.model:
             cmd += ["--model", str(self.model)]
+        if "--threads" not in self.extra_args:
+            cmd += ["--threads", "1"]  # it shares this machine with the device model
         env = dict(os.environ, TOKENROUTER_API_KEYS=self.api_key, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -14,7 +14,7 @@ from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 
 
 class EdgeDecoder:
-    def __init__(self, model: LlamaModel, n_ctx: int = 4096, threads: int | None = None) -> None:
+    def __init__(self, model: LlamaModel, n_ctx: int = 4096, threads: int = 1) -> None:
         self.model = model
         self.ctx = LlamaContext(model, n_ctx=n_ctx, n_seq=1, threads=threads, embeddings=True)
         self.history: list[int] = []

@@ -64,7 +64,9 @@ class GeneratorOptions:
     cloud_timeout_s: float = 2.0
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     n_ctx: int = 4096
-    threads: int | None = None
+    # One llama.cpp thread: a 135M model is memory-bound, and a second thread's
+    # barriers collapse throughput when ASR, TTS or a local cloud share the cores.
+    threads: int = 1
 
 
 class RoutedGenerator:
@@ -78,7 +80,7 @@ class RoutedGenerator:
         sync_every: int = 4,
         cloud_model_name: str = "",
         n_ctx: int = 4096,
-        threads: int | None = None,
+        threads: int = 1,
     ) -> None:
         self.edge = edge
         self.decoder = EdgeDecoder(edge, n_ctx=n_ctx, threads=threads)

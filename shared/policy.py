@@ -25,25 +25,31 @@ class ScoreCalibrator:
 
     Keeps an exponentially decayed 256-bin histogram of scores; the threshold is
     the lower edge of the lowest bin whose upper tail holds no more than the
-    target fraction. O(1) per update, 256 adds per threshold.
+    target fraction. Decay is applied by growing the weight of new scores (and
+    rescaling rarely), so an update is O(1); the threshold is recomputed every
+    `every` scores (256 adds).
     """
 
-    def __init__(self, target_fraction: float, initial_threshold: float = 0.5, half_life: int = 2000, min_count: int = 16) -> None:
+    def __init__(self, target_fraction: float, initial_threshold: float = 0.5, half_life: int = 2000, min_count: int = 16, every: int = 8) -> None:
         if not 0.0 <= target_fraction <= 1.0:
             raise ValueError("target cloud fraction must be within [0, 1]")
         self.target = target_fraction
-        self.initial_threshold = initial_threshold
         self.min_count = min_count
-        self._decay = 0.5 ** (1.0 / half_life)
+        self.every = every
+        self._growth = 0.5 ** (-1.0 / half_life)
+        self._weight = 1.0
         self._hist = np.zeros(N_BINS, dtype=np.float64)
         self._count = 0
         self.threshold = initial_threshold if 0 < target_fraction < 1 else (1.01 if target_fraction == 0 else 0.0)
 
     def observe(self, score: float) -> None:
-        self._hist *= self._decay
-        self._hist[min(int(score * N_BINS), N_BINS - 1)] += 1.0
+        self._hist[min(int(score * N_BINS), N_BINS - 1)] += self._weight
+        self._weight *= self._growth
+        if self._weight > 1e12:  # rescale before floats lose precision
+            self._hist /= self._weight
+            self._weight = 1.0
         self._count += 1
-        if self._count >= self.min_count and 0.0 < self.target < 1.0:
+        if self._count >= self.min_count and self._count % self.every == 0 and 0.0 < self.target < 1.0:
             tail = np.cumsum(self._hist[::-1])[::-1] / self._hist.sum()  # tail[b] = share of scores in bins >= b
             ok = np.nonzero(tail <= self.target)[0]
             self.threshold = (ok[0] / N_BINS) if len(ok) else 1.01
