@@ -118,3 +118,21 @@ def test_cloud_fraction_target_is_approached(edge_model, cloud_server):
         assert 0.15 <= c / n <= 0.45, f"cloud fraction {c / n:.2f} far from the 0.30 target"
     finally:
         gen.close()
+
+
+def test_seeded_sampling_is_reproducible(edge_model, cloud_server):
+    from shared.protocol import SamplingParams
+
+    def run(seed: int) -> list[int]:
+        gen = make_generator(edge_model, cloud_server, threshold=0.7)
+        gen.sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
+        try:
+            a = gen.generate(chat("tell me a joke"), max_tokens=24)
+            assert not a.degraded
+            return a.tokens
+        finally:
+            gen.close()
+
+    first = run(1)
+    assert run(1) == first, "the same seed must give the same answer (device and cloud samplers)"
+    assert run(2) != first
