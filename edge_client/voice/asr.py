@@ -71,7 +71,25 @@ class Transcriber:
                 suppress_blank=True, suppress_tokens=[-1], return_scores=False,
             )
         ids = [t for t in res[0].sequences_ids[0] if t < self.tokenizer.eot]
-        return self.tokenizer.decode(ids).strip()
+        return collapse_repeats(self.tokenizer.decode(ids).strip())
+
+
+def collapse_repeats(text: str) -> str:
+    """Cut Whisper's loop: with a short context tiny.en sometimes repeats the utterance into the padding.
+
+    The text is cut at the first sentence that repeats an earlier one (or starts like one, when the
+    repeat was truncated at the end).
+    """
+    sents = re.findall(r"[^.!?]+[.!?]*", text)
+    seen: list[str] = []
+    out = ""
+    for i, s in enumerate(sents):
+        n = " ".join(_norm(w) for w in s.split())
+        if n and any(n == p or (i == len(sents) - 1 and p.startswith(n)) for p in seen):
+            break
+        seen.append(n)
+        out += s
+    return out.strip()
 
 
 def _norm(w: str) -> str:

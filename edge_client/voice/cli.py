@@ -95,7 +95,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: bool = True, engines: Any = None) -> dict:
+def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: bool = True, engines: Any = None,
+                  first_audio_only: bool = False) -> dict:
     """One turn from IN.wav to OUT.wav; returns the `--json` object. Raises AudioFileError, NoSpeechError."""
     from .audio_io import FileSink, FileSource
     from .pipeline import Engines, VoicePipeline
@@ -104,7 +105,7 @@ def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: b
     engines = engines or Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt)
     sink = FileSink(engines.synth.rate, realtime=realtime)
     pipe = VoicePipeline(engines, source, sink, vopts)
-    turns = pipe.run(max_turns=1)
+    turns = pipe.run(max_turns=1, first_audio_only=first_audio_only)
     sink.write(out_path)
     return turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
 

@@ -259,6 +259,7 @@ class VoicePipeline:
         self._pause_t: float | None = None
         self._onset_t: float | None = None
         self._silence_ms = 0.0
+        self._first_audio_only = False
         self._asr = AsrWorker(engines.transcriber, self._on_asr)
 
     # ------------------------------------------------------------------ plumbing
@@ -271,8 +272,11 @@ class VoicePipeline:
             except Exception:  # an observer must never take the pipeline down
                 pass
 
-    def run(self, stop: threading.Event | None = None, max_turns: int | None = None) -> list[TurnDone]:
+    def run(self, stop: threading.Event | None = None, max_turns: int | None = None, first_audio_only: bool = False) -> list[TurnDone]:
+        """Process frames until `stop`, or `max_turns` turns are done. `first_audio_only` (benchmarks)
+        ends each turn once its first sample is out, so the reply is not played to the end."""
         stop = stop or threading.Event()
+        self._first_audio_only = first_audio_only
         self.sink.start()
         self.source.start()
         self.emit(Listening())
@@ -449,6 +453,9 @@ class VoicePipeline:
         buf = self.sink.buffer
         if buf.first_out_t is not None:
             turn.timings.mark("first_audio_out", buf.first_out_t)
+            if self._first_audio_only and not turn.stop.is_set():
+                turn.cancel()
+                buf.flush()
         if not turn.finished():
             return
         turn.join()

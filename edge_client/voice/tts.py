@@ -51,9 +51,9 @@ class ClauseChunker:
                     break
             if cut is None:
                 limit = self.opts.first_max_words if first else self.opts.max_words
-                words = self.buf.split()
-                if len(words) > limit and self.buf[-1:].isspace():
-                    cut = len(self.buf.rstrip())
+                words = list(re.finditer(r"\S+", self.buf))
+                if len(words) > limit:  # the limit-th word is complete once the next one starts
+                    cut = words[limit - 1].end()
             if cut is None:
                 return out
             piece, self.buf = self.buf[:cut], self.buf[cut:]

@@ -1,0 +1,84 @@
+"""Voice latency benchmark: spoken CLINC150 `val` queries through the file pipeline at real-time pace.
+
+    python scripts/bench_voice.py [--n 30] [--out build/voice_bench.json]
+
+Queries come from CLINC150 (Larson et al. 2019, CC BY 3.0), synthesised with
+the bundled Piper voice. Each query is one fresh single-turn dialogue with the
+local loopback cloud server and the router policy. Reports end-of-speech ->
+first audio and endpoint -> first audio (p50, p95, % under 150 ms), the stage
+breakdown (p50 of each stage after end of speech) and the recognition WER.
+Each turn stops once its first audio is out (the rest of the reply is not played).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from voice_audio import spoken_wav, wer  # noqa: E402
+
+from edge_client.generator import GeneratorOptions, open_generator  # noqa: E402
+from edge_client.voice.cli import run_file_turn  # noqa: E402
+from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
+
+DATA = Path("/work/shared/datasets/clinc150/data_full.json")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--out", default=str(ROOT / "build" / "voice_bench.json"))
+    ap.add_argument("--no-speculative", action="store_true")
+    args = ap.parse_args()
+    val = json.load(open(args.data))["val"]
+    step = max(1, len(val) // args.n)
+    queries = [val[i * step][0] for i in range(args.n)]
+    vopts = VoiceOptions(speculative=not args.no_speculative)
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
+    with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=vopts.max_tokens, seed=0)) as gen:
+        eng = Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt)
+        for i, q in enumerate(queries):
+            wav = spoken_wav(eng.synth, q, tmp / f"q{i}.wav")
+            t = time.monotonic()
+            obj = run_file_turn(gen, str(wav), str(tmp / f"r{i}.wav"), vopts, realtime=True, engines=eng, first_audio_only=True)
+            obj["query"], obj["wer"], obj["wall_s"] = q, wer(q, obj["transcript"]), time.monotonic() - t
+            rows.append(obj)
+            print(f"{i:2d} eos->audio {obj['end_of_speech_to_first_audio_ms']:7.1f} ms  endpoint->audio "
+                  f"{obj['endpoint_to_first_audio_ms']:7.1f} ms  wer {obj['wer']:.2f}  {q!r} -> {obj['transcript']!r}", flush=True)
+    e2a = [r["end_of_speech_to_first_audio_ms"] for r in rows if r["end_of_speech_to_first_audio_ms"] is not None]
+    ep2a = [r["endpoint_to_first_audio_ms"] for r in rows if r["endpoint_to_first_audio_ms"] is not None]
+    stages = {k: pct([r["timings_ms"][k] for r in rows if r["timings_ms"][k] is not None], 50) for k in rows[0]["timings_ms"]}
+    summary = {
+        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
+        "n": len(rows),
+        "speculative": vopts.speculative,
+        "eos_to_first_audio_ms": {"p50": pct(e2a, 50), "p95": pct(e2a, 95), "under_150_pct": 100 * np.mean(np.array(e2a) < 150)},
+        "endpoint_to_first_audio_ms": {"p50": pct(ep2a, 50), "p95": pct(ep2a, 95), "under_150_pct": 100 * np.mean(np.array(ep2a) < 150)},
+        "stage_p50_ms_after_speech_end": stages,
+        "wer_mean": float(np.mean([r["wer"] for r in rows])),
+        "cloud_token_share": float(sum(r["n_cloud_tokens"] for r in rows) / max(1, sum(r["n_tokens"] for r in rows))),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""End-to-end voice tests with the real parts: bundled Whisper, Piper and Silero models, the real
+routed generator from `open_generator` with its loopback cloud server, and PulseAudio virtual
+devices (a private daemon with null sinks; see tests/voice_audio.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from voice_audio import speech_span, spoken_wav, virtual_devices, wer
+
+from edge_client.voice.audio_io import Microphone, Speaker
+from edge_client.voice.cli import run_file_turn
+from edge_client.voice.events import Interruption
+from edge_client.voice.pipeline import Engines, NoSpeechError, VoiceOptions, VoicePipeline
+from edge_client.voice.resample import resample
+from edge_client.voice.wavfile import read_wav
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "What is the capital city of France?"
+STAGE_ORDER = ["speech_end", "asr_final", "llm_first_token", "first_clause_ready", "tts_first_audio", "first_audio_out"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from edge_client.generator import GeneratorOptions, open_generator
+
+    with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0)) as gen:
+        yield Engines(gen)
+
+
+def assert_timings_ordered(t) -> None:
+    vals = [getattr(t, s) for s in STAGE_ORDER]
+    assert all(v is not None for v in vals), t
+    assert vals == sorted(vals), t
+    assert t.endpoint_decided is not None and t.endpoint_decided >= t.speech_end
+    assert t.first_audio_out >= t.endpoint_decided  # held speech is never played before the endpoint
+    assert t.end_of_speech_to_first_audio_ms > 0
+
+
+def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
+    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    obj = run_file_turn(engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines)
+    assert wer(QUESTION, obj["transcript"]) <= 0.2
+    assert obj["answer"].strip() and obj["n_tokens"] > 0 and len(obj["routes"]) == obj["n_tokens"]
+    assert set(obj["timings_ms"]) >= set(STAGE_ORDER) and obj["end_of_speech_to_first_audio_ms"] > 0
+    reply, rate = read_wav(tmp_path / "r.wav")
+    assert len(reply) / rate > 0.5
+    heard = engines.transcriber.transcribe(resample(reply, rate, 16000))
+    assert wer(obj["answer"], heard) <= 0.35, (obj["answer"], heard)
+
+
+def test_silence_only_is_reported(engines, tmp_path):
+    from edge_client.voice.wavfile import write_wav
+
+    p = tmp_path / "silence.wav"
+    write_wav(p, np.zeros(16000, np.float32), 16000)
+    with pytest.raises(NoSpeechError, match="no speech detected"):
+        run_file_turn(engines.gen, str(p), str(tmp_path / "r.wav"), VoiceOptions(), realtime=False, engines=engines)
+
+
+def test_cli_bad_input_exits_with_message(tmp_path):
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"RIFF\x00\x00")
+    r = subprocess.run([sys.executable, "-m", "edge_client.cli", "file", str(bad), "--out", str(tmp_path / "o.wav")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "truncated" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "edge_client.cli", "listen", "--input-device", "no-such-mic-xyz"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "tokenrouter-edge devices" in r.stderr, r.stderr
+
+
+def _run_pipeline(pipe: VoicePipeline, max_turns: int) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("turns", pipe.run(out.setdefault("stop", threading.Event()), max_turns=max_turns)))
+    th.start()
+    return th, out
+
+
+def test_real_devices_answer_is_heard_on_the_speaker(engines, tmp_path):
+    with virtual_devices() as dev:
+        q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+        pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), VoiceOptions())
+        with dev.record_speaker() as rec:
+            th, out = _run_pipeline(pipe, 1)
+            time.sleep(0.3)
+            dev.play_into_mic(q).wait(timeout=20)
+            th.join(timeout=40)
+        assert not th.is_alive(), "pipeline did not finish the turn"
+    done = out["turns"][0]
+    assert wer(QUESTION, done.transcript) <= 0.2
+    assert_timings_ordered(done.timings)
+    heard = engines.transcriber.transcribe(rec["audio"])
+    assert wer(done.answer.text, heard) <= 0.35, (done.answer.text, heard)
+    # history holds the exchange as spoken
+    assert pipe.dialogue.turns[-1] == {"role": "assistant", "content": done.spoken_text}
+
+
+def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_path):
+    """Full duplex on virtual devices: a second utterance during a long reply interrupts it."""
+    opts = VoiceOptions(full_duplex=True, max_tokens=96)
+    opts.dialogue.system_prompt = "You are a helpful voice assistant. Answer in detail, in many long sentences."
+    q1 = spoken_wav(engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q1.wav")
+    q2 = spoken_wav(engines.synth, "Stop, what time is it?", tmp_path / "q2.wav", lead_s=0.0)
+    lead2 = speech_span(read_wav(q2)[0], 16000)[0]
+    with virtual_devices() as dev:
+        pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), opts)
+        th, out = _run_pipeline(pipe, 2)
+        time.sleep(0.3)
+        dev.play_into_mic(q1).wait(timeout=20)
+        deadline = time.monotonic() + 20
+        while pipe.sink.buffer.played < engines.synth.rate * 1.5 and time.monotonic() < deadline:  # 1.5 s of reply played
+            time.sleep(0.02)
+        assert pipe._playing is not None, "the reply finished before the interruption"
+        t_play = time.monotonic()
+        dev.play_into_mic(q2).wait(timeout=20)
+        th.join(timeout=40)
+        out["stop"].set()
+    first, second = out["turns"][:2]
+    assert first.interrupted and not second.interrupted
+    intr = next(e for e in pipe.events if isinstance(e, Interruption))
+    assert intr.t_stopped - intr.t_onset <= 0.3  # playback paused within 300 ms of the speech onset
+    assert intr.t_onset >= t_play + lead2 - 0.05
+    full = first.answer.text if first.answer is not None else ""
+    assert first.spoken_text and len(first.spoken_text) < len(full)
+    assert full.replace(" ", "").startswith(first.spoken_text.replace(" ", "")[: max(1, len(first.spoken_text.replace(" ", "")) - 15)])
+    hist = pipe.dialogue.turns
+    assert hist[1] == {"role": "assistant", "content": first.spoken_text}
+    assert wer("what time is it", second.transcript) <= 0.5 or "time" in second.transcript.lower()

@@ -1,0 +1,149 @@
+"""Test helpers for the voice pipeline: a private PulseAudio with virtual devices, and spoken test audio.
+
+`virtual_devices()` starts a PulseAudio daemon of its own (private runtime dir,
+so it never touches a desktop session) with two null sinks: "mic" (tests play
+speech into it; the app records its monitor as the microphone) and "speaker"
+(the app plays into it; tests record its monitor). PortAudio sees PulseAudio
+through ALSA's pulse plugin, so an ALSA config names the two ends as devices
+`tr_mic` and `tr_speaker`, which the app selects by name like real hardware.
+If PulseAudio cannot start, the caller gets pytest.skip with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from edge_client.voice.resample import resample
+from edge_client.voice.wavfile import write_wav
+
+ASOUNDRC = """
+pcm.tr_mic {
+  type pulse
+  device "mic.monitor"
+  hint { show on description "TokenRouter test microphone (mic.monitor)" }
+}
+pcm.tr_speaker {
+  type pulse
+  device "speaker"
+  hint { show on description "TokenRouter test speaker" }
+}
+"""
+
+
+class VirtualDevices:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.env = dict(os.environ, XDG_RUNTIME_DIR=str(root / "run"), HOME=str(root / "home"))
+
+    def pactl(self, *args: str) -> str:
+        return subprocess.run(["pactl", *args], env=self.env, check=True, capture_output=True, text=True, timeout=10).stdout
+
+    def play_into_mic(self, wav: Path) -> subprocess.Popen:
+        """Start playing a WAV into the virtual microphone; returns at once."""
+        return subprocess.Popen(["paplay", "--device=mic", str(wav)], env=self.env)
+
+    @contextlib.contextmanager
+    def record_speaker(self, rate: int = 16000) -> Iterator[dict]:
+        """Record speaker.monitor; the dict gets "audio" (float32 at `rate`) and "t0" on exit."""
+        out: dict = {}
+        path = self.root / f"rec_{time.monotonic_ns()}.raw"
+        with open(path, "wb") as f:
+            p = subprocess.Popen(
+                ["parec", "--device=speaker.monitor", "--format=s16le", f"--rate={rate}", "--channels=1", "--latency-msec=10"],
+                stdout=f, env=self.env,
+            )
+            out["t0"] = time.monotonic()
+            try:
+                yield out
+            finally:
+                time.sleep(0.2)
+                p.terminate()
+                p.wait(timeout=5)
+        out["audio"] = np.frombuffer(path.read_bytes(), "<i2").astype(np.float32) / 32768.0
+        out["rate"] = rate
+
+
+@contextlib.contextmanager
+def virtual_devices() -> Iterator[VirtualDevices]:
+    """A private PulseAudio daemon with "mic" and "speaker" null sinks, visible to sounddevice."""
+    for tool in ("pulseaudio", "pactl", "paplay", "parec"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} not installed (apt-get install pulseaudio)")
+    root = Path(tempfile.mkdtemp(prefix="tr-pulse-"))
+    (root / "run").mkdir()
+    (root / "home").mkdir()
+    (root / "home" / ".asoundrc").write_text(ASOUNDRC)
+    dev = VirtualDevices(root)
+    r = subprocess.run(
+        ["pulseaudio", "--daemonize=yes", "--exit-idle-time=-1", "-n", "--load=module-native-protocol-unix",
+         "--log-target=stderr", "--disallow-exit=no"],
+        env=dev.env, capture_output=True, text=True, timeout=20,
+    )
+    if r.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"PulseAudio cannot start here: {r.stderr.strip()[-300:]}")
+    saved = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "HOME")}
+    try:
+        for _ in range(50):
+            if subprocess.run(["pactl", "info"], env=dev.env, capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        dev.pactl("load-module", "module-null-sink", "sink_name=mic", "rate=16000", "channels=1")
+        dev.pactl("load-module", "module-null-sink", "sink_name=speaker", "rate=22050", "channels=1")
+        os.environ.update(XDG_RUNTIME_DIR=dev.env["XDG_RUNTIME_DIR"], HOME=dev.env["HOME"])
+        import sounddevice as sd
+
+        sd._terminate()  # re-read the ALSA configuration with the new devices
+        sd._initialize()
+        yield dev
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        subprocess.run(["pulseaudio", "--kill"], env=dev.env, capture_output=True, timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def spoken_wav(synth, text: str, path: Path, lead_s: float = 0.4, tail_s: float = 0.4, rate: int = 16000) -> Path:
+    """Synthesise `text` with Piper into a WAV at `rate` with silence around it."""
+    a = resample(synth.synthesize(text), synth.rate, rate)
+    z = lambda s: np.zeros(int(s * rate), np.float32)  # noqa: E731
+    write_wav(path, np.concatenate([z(lead_s), 0.8 * a, z(tail_s)]), rate)
+    return path
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " ")).split()
+
+
+def wer(ref: str, hyp: str) -> float:
+    """Word error rate (Levenshtein over words, normalised for case and punctuation)."""
+    r, h = words(ref), words(hyp)
+    d = list(range(len(h) + 1))
+    for i in range(1, len(r) + 1):
+        prev, d[0] = d[0], i
+        for j in range(1, len(h) + 1):
+            cur = min(d[j] + 1, d[j - 1] + 1, prev + (r[i - 1] != h[j - 1]))
+            prev, d[j] = d[j], cur
+    return d[len(h)] / max(len(r), 1)
+
+
+def speech_span(audio: np.ndarray, rate: int, thresh: float = 0.02) -> tuple[float, float] | None:
+    """(first, last) time in seconds where |audio| exceeds `thresh`, or None if silent."""
+    idx = np.nonzero(np.abs(audio) > thresh)[0]
+    if len(idx) == 0:
+        return None
+    return idx[0] / rate, idx[-1] / rate
