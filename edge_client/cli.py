@@ -26,8 +26,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL, help="model of the local cloud server")
     p.add_argument("--policy", choices=["edge", "cloud", "router"], default="router")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--threshold", type=float, default=None, help="route when the router score >= T (default 0.5)")
-    g.add_argument("--cloud-fraction", type=float, default=None, help="target fraction of cloud tokens, calibrated online")
+    g.add_argument("--threshold", type=float, default=None, help="route when the router score >= T")
+    g.add_argument("--cloud-fraction", type=float, default=None, help="target fraction of cloud tokens, calibrated online (default 0.3)")
     p.add_argument("--router", default="entropy", help="heuristic (entropy, top1, margin) or a learned router file")
     p.add_argument("--warmup", type=int, default=0, help="first N tokens of each answer stay on the device")
     p.add_argument("--hysteresis", type=float, default=0.0, help="keep routing until the score drops below T - H")
@@ -48,7 +48,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         api_key=args.api_key,
         policy=args.policy,
         threshold=0.5 if args.threshold is None else args.threshold,
-        cloud_fraction=args.cloud_fraction,
+        cloud_fraction=None if args.threshold is not None else (0.3 if args.cloud_fraction is None else args.cloud_fraction),
         warmup=args.warmup,
         hysteresis=args.hysteresis,
         router=args.router,

@@ -29,7 +29,7 @@ import numpy as np
 from edge_client.answer import Answer, Latency, Route, TokenEvent
 from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable, LinkStats
 from edge_client.decoder import EdgeDecoder, common_prefix
-from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.protocol import SamplingParams
@@ -51,11 +51,12 @@ class GeneratorOptions:
     cloud: str = "local"  # "local" (start a loopback server), "none", or a ws:// URL
     api_key: str = ""  # for a remote cloud; default $TOKENROUTER_API_KEY
     policy: str = "router"  # edge | cloud | router
-    threshold: float | None = 0.5
-    cloud_fraction: float | None = None
+    threshold: float | None = 0.5  # used when cloud_fraction is None
+    cloud_fraction: float | None = 0.3  # the one calibrated knob: target share of cloud-written tokens
     warmup: int = 0
     hysteresis: float = 0.0
-    router: str = "entropy"  # heuristic kind, or a path to a learned router file
+    router: str = "entropy"  # heuristic kind, or a path to a learned router file (.npz)
+    router_on_mismatch: str = "error"  # learned router trained for another edge model: "error" or "heuristic" (warn, fall back)
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -94,6 +95,11 @@ class RoutedGenerator:
         self.last_cloud_error: str = ""
         self._retired = LinkStats()
         self._lock = threading.Lock()
+        # Reconnect attempts per answer when the cloud is lost mid-answer (0: finish on the device).
+        # A new session is rebuilt from the device's token history: hello + rollback(0) + sync(history).
+        self.reconnect_mid_answer = 0
+        self._reconnects_left = 0
+        self._messages: list[dict] | None = None
 
     # ---------------------------------------------------------------- public API
 
@@ -124,10 +130,12 @@ class RoutedGenerator:
         prompt = self.edge.chat_tokens(messages)
         previous = self.decoder.history[:]  # what the device (and the cloud, up to cloud_len) held
         self.decoder.set_history(prompt)
+        self._messages, self._reconnects_left = None, self.reconnect_mid_answer
         self.policy.start_answer()
         sampler = Sampler(self.sampling)
         use_cloud = self.policy.mode != "edge" and self._connect is not None
         degraded = use_cloud and not self._ensure_cloud(messages, prompt, previous)
+        self._messages = messages  # from here on a lost cloud may be reconnected (reconnect_mid_answer)
 
         answer = Answer(text="", tokens=[], routes=[], scores=[], policy=self.policy.name, degraded=degraded)
         answer.edge_model = self.edge.info.fingerprint
@@ -193,6 +201,9 @@ class RoutedGenerator:
         answer.latency = _latency(t_start, token_ms, router_ms)
         answer.routing_log = rlog.to_bytes()
         self._stats_into(answer, stats0)
+        drift_report = getattr(self.router, "drift_report", None)
+        if drift_report is not None:  # learned routers: score distribution vs training (PSI)
+            answer.drift = drift_report()
         return answer
 
     def _stream_from_cloud(self, answer: Answer, max_tokens: int, accept: Callable[..., None], stop: threading.Event | None) -> None:
@@ -218,7 +229,13 @@ class RoutedGenerator:
             return self.link.generate(pending, proposed=proposed, hidden=hidden, max_tokens=1)[0]
         except (CloudUnavailable, CloudError, IndexError) as exc:
             self._lose_cloud(exc)
-            return None
+            if self.link is None:
+                return None
+            try:  # reconnected mid-answer: the rebuilt session holds the whole history
+                return self.link.generate([], proposed=proposed, hidden=hidden, max_tokens=1)[0]
+            except (CloudUnavailable, CloudError, IndexError) as exc2:
+                self._lose_cloud(exc2)
+                return None
 
     def _maybe_sync(self) -> None:
         link = self.link
@@ -258,6 +275,22 @@ class RoutedGenerator:
         log.warning("cloud lost, continuing on the device: %s", exc)
         self.last_cloud_error = str(exc)
         self._retire_link()
+        if isinstance(exc, CloudUnavailable) and self._reconnects_left > 0 and self._messages is not None:
+            self._reconnects_left -= 1
+            self._reconnect(self._messages)
+
+    def _reconnect(self, messages: list[dict]) -> None:
+        """Open a new session and rebuild it from the device's history (open() re-syncs when it differs from the prompt)."""
+        assert self._connect is not None
+        link = self._connect()
+        try:
+            link.open(self.edge.info, messages, self.decoder.history[:], self.sampling)
+        except (CloudUnavailable, CloudError, CloudRejected) as exc:
+            log.warning("reconnect failed, continuing on the device: %s", exc)
+            link.close_quietly()
+            return
+        self.link = link
+        self.last_cloud_error = ""
 
     # ---------------------------------------------------------------- accounting
 
@@ -299,11 +332,15 @@ def _latency(t_start: float, token_ms: list[float], router_ms: list[float]) -> L
     )
 
 
-def build_router(spec: str, n_vocab: int) -> Router:
-    """A heuristic kind ("entropy", "top1", "margin") or a learned router file."""
+def build_router(spec: str, n_vocab: int, edge_info: ModelInfo | None = None, on_mismatch: str = "error") -> Router:
+    """A heuristic kind ("entropy", "top1", "margin") or a learned router file (checked against `edge_info`)."""
     if spec in HeuristicRouter.KINDS:
         return HeuristicRouter(spec, n_vocab)
-    raise ValueError(f"unknown router {spec!r}: use one of {', '.join(HeuristicRouter.KINDS)}")
+    if spec.endswith(".npz") or os.path.isfile(spec):
+        from shared.learned_router import load_router
+
+        return load_router(spec, edge_info, on_mismatch=on_mismatch, n_vocab=n_vocab)
+    raise ValueError(f"unknown router {spec!r}: use one of {', '.join(HeuristicRouter.KINDS)} or a learned router file (.npz)")
 
 
 @contextlib.contextmanager
@@ -312,8 +349,10 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
     from cloud_server.local import LocalCloudServer
 
     edge = LlamaModel(model_info(opts.edge_model))
+    router = build_router(opts.router, edge.n_vocab, edge.info, opts.router_on_mismatch)
     policy = RoutingPolicy(
-        PolicyConfig(opts.policy, threshold=opts.threshold, cloud_fraction=opts.cloud_fraction, warmup=opts.warmup, hysteresis=opts.hysteresis)
+        PolicyConfig(opts.policy, threshold=opts.threshold, cloud_fraction=opts.cloud_fraction, warmup=opts.warmup, hysteresis=opts.hysteresis),
+        prior=getattr(router, "threshold_for", None),
     )
     sampling = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     server: LocalCloudServer | None = None
@@ -329,7 +368,7 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
             connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
         gen = RoutedGenerator(
             edge,
-            build_router(opts.router, edge.n_vocab),
+            router,
             policy,
             sampling,
             connect=connect,

@@ -14,6 +14,7 @@ by one that scores just under the threshold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -30,7 +31,16 @@ class ScoreCalibrator:
     `every` scores (256 adds).
     """
 
-    def __init__(self, target_fraction: float, initial_threshold: float = 0.5, half_life: int = 2000, min_count: int = 16, every: int = 8) -> None:
+    def __init__(
+        self,
+        target_fraction: float,
+        initial_threshold: float = 0.5,
+        half_life: int = 2000,
+        min_count: int = 16,
+        every: int = 8,
+        prior: Callable[[float], float] | None = None,
+        prior_weight: int = 200,
+    ) -> None:
         if not 0.0 <= target_fraction <= 1.0:
             raise ValueError("target cloud fraction must be within [0, 1]")
         self.target = target_fraction
@@ -41,6 +51,12 @@ class ScoreCalibrator:
         self._hist = np.zeros(N_BINS, dtype=np.float64)
         self._count = 0
         self.threshold = initial_threshold if 0 < target_fraction < 1 else (1.01 if target_fraction == 0 else 0.0)
+        if prior is not None and 0 < target_fraction < 1:
+            # pseudo-scores drawn from the router's known score distribution: calibrated from the start
+            for i in range(100):
+                self._hist[min(int(prior((i + 0.5) / 100) * N_BINS), N_BINS - 1)] += prior_weight / 100
+            self._count = min_count - 1
+            self.threshold = prior(target_fraction)
 
     def observe(self, score: float) -> None:
         self._hist[min(int(score * N_BINS), N_BINS - 1)] += self._weight
@@ -67,7 +83,8 @@ class PolicyConfig:
 class RoutingPolicy:
     """Per-position decision for one device; reset with `start_answer` for each answer."""
 
-    def __init__(self, config: PolicyConfig, initial_threshold: float | None = None) -> None:
+    def __init__(self, config: PolicyConfig, prior: Callable[[float], float] | None = None) -> None:
+        """`prior` maps a cloud fraction to the router's expected threshold (Router.threshold_for)."""
         if config.mode not in ("edge", "cloud", "router"):
             raise ValueError(f"unknown policy {config.mode!r}; choose edge, cloud or router")
         if config.threshold is not None and not 0.0 <= config.threshold <= 1.0:
@@ -78,8 +95,7 @@ class RoutingPolicy:
         self.mode = config.mode
         self.calibrator: ScoreCalibrator | None = None
         if config.mode == "router" and config.cloud_fraction is not None:
-            start = initial_threshold if initial_threshold is not None else (config.threshold or 0.5)
-            self.calibrator = ScoreCalibrator(config.cloud_fraction, initial_threshold=start)
+            self.calibrator = ScoreCalibrator(config.cloud_fraction, initial_threshold=config.threshold or 0.5, prior=prior)
         self._position = 0
         self._routing = False
 
