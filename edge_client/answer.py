@@ -54,6 +54,7 @@ class Answer:
     bytes_up: int = 0
     bytes_down: int = 0
     round_trips: int = 0
+    cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     cloud_compute_ms: float = 0.0
     edge_model: str = ""
     cloud_model: str = ""
@@ -86,6 +87,7 @@ class Answer:
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "round_trips": self.round_trips,
+            "cloud_timeouts": self.cloud_timeouts,
             "cloud_compute_ms": round(self.cloud_compute_ms, 3),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,

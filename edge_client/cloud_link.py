@@ -47,6 +47,11 @@ class CloudUnavailable(ConnectionError):
     """The cloud cannot be reached or stopped answering; finish on the device."""
 
 
+class CloudTimeout(CloudUnavailable):
+    """A hard token did not come back in time. The link stays open: the abandoned request
+    was rolled back on the cloud, so the device can write the position itself and go on."""
+
+
 class CloudRejected(ConnectionError):
     """The cloud refused the session (auth, vocabulary, version, capacity): `code` says why."""
 
@@ -92,6 +97,7 @@ class CloudLink:
         self._ws: ClientConnection | None = None
         self._next_request = 1
         self._max_bytes = 1 << 20
+        self.consecutive_timeouts = 0
 
     @property
     def connected(self) -> bool:
@@ -117,7 +123,11 @@ class CloudLink:
             client="tokenrouter-edge",
         )
         self._send(hello)
-        reply = self._recv(self.connect_timeout_s)
+        try:
+            reply = self._recv(self.connect_timeout_s)
+        except CloudTimeout:
+            self.close_quietly()
+            raise
         if isinstance(reply, Reject):
             self.close_quietly()
             raise CloudRejected(reply.code, reply.reason)
@@ -192,7 +202,13 @@ class CloudLink:
         t0 = time.perf_counter()
         out: list[CloudToken] = []
         while True:
-            reply = self._recv(self.timeout_s)
+            try:
+                reply = self._recv(self.timeout_s)
+            except CloudTimeout:
+                # Abandon the request: the cloud finishes it, then this rollback undoes its tokens.
+                self.consecutive_timeouts += 1
+                self.rollback(self.cloud_len)
+                raise
             if isinstance(reply, Error):
                 if reply.request_id in (None, request_id):
                     self.close_quietly()
@@ -214,6 +230,7 @@ class CloudLink:
                     return out
             if reply.final:
                 break
+        self.consecutive_timeouts = 0
         self.stats.round_trips += 1
         self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
         return out
@@ -267,8 +284,7 @@ class CloudLink:
         try:
             frame = self._ws.recv(timeout=timeout_s)
         except TimeoutError as exc:
-            self.close_quietly()
-            raise CloudUnavailable(f"no answer from the cloud within {timeout_s:.1f} s") from exc
+            raise CloudTimeout(f"no answer from the cloud within {timeout_s:.1f} s") from exc
         except (OSError, WebSocketException) as exc:
             self.close_quietly()
             raise CloudUnavailable(f"connection lost: {exc}") from exc

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edge_client.answer import Answer, Latency, Route, TokenEvent
-from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable, LinkStats
+from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats
 from edge_client.decoder import EdgeDecoder, common_prefix
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
@@ -94,6 +94,8 @@ class RoutedGenerator:
         self.link: CloudLink | None = None
         self.last_cloud_error: str = ""
         self._retired = LinkStats()
+        self.cloud_timeouts = 0  # hard tokens the device wrote because the cloud was slow
+        self.max_consecutive_timeouts = 3  # then the cloud is treated as lost for this answer
         self._lock = threading.Lock()
         # Reconnect attempts per answer when the cloud is lost mid-answer (0: finish on the device).
         # A new session is rebuilt from the device's token history: hello + rollback(0) + sync(history).
@@ -146,6 +148,7 @@ class RoutedGenerator:
         token_ms: list[float] = []
         router_ms: list[float] = []
         stats0 = self._stats_snapshot()
+        timeouts0 = self.cloud_timeouts
         t_last = t_start
 
         def accept(token: int, route: Route, score: float | None, fallback: bool = False) -> None:
@@ -192,6 +195,7 @@ class RoutedGenerator:
         interrupted = not ended and stop is not None and stop.is_set()
         answer.finish_reason = "stop" if ended else ("interrupted" if interrupted else "length")
         answer.interrupted = interrupted
+        answer.cloud_timeouts = self.cloud_timeouts - timeouts0
         answer.degraded = answer.degraded or (use_cloud and self.link is None)
         tail = utf8.decode(b"", final=True)  # an unfinished multi-byte character
         if tail and pieces:
@@ -223,10 +227,17 @@ class RoutedGenerator:
             answer.degraded = True
 
     def _ask_cloud(self, proposed: int, hidden: np.ndarray) -> CloudToken | None:
+        """The cloud's token for this position, or None: the device writes it (fallback)."""
         assert self.link is not None
         pending = self.decoder.history[self.link.cloud_len :]
         try:
             return self.link.generate(pending, proposed=proposed, hidden=hidden, max_tokens=1)[0]
+        except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
+            self.cloud_timeouts += 1
+            if self.link is not None and self.link.consecutive_timeouts >= self.max_consecutive_timeouts:
+                self._retire_link()
+                self.last_cloud_error = str(exc)
+            return None
         except (CloudUnavailable, CloudError, IndexError) as exc:
             self._lose_cloud(exc)
             if self.link is None:

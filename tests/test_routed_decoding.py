@@ -137,3 +137,25 @@ def test_seeded_sampling_is_reproducible(edge_model, cloud_server):
     first = run(1)
     assert run(1) == first, "the same seed must give the same answer (device and cloud samplers)"
     assert run(2) != first
+
+
+def test_slow_cloud_positions_fall_back_without_losing_the_session(edge_model, same_model_server):
+    """Hard tokens that time out are written by the device; the abandoned requests are rolled
+    back on the cloud, so later hard tokens still land in a history identical to the device's."""
+    edge_only = make_generator(edge_model, None, mode="edge")
+    gen = make_generator(edge_model, same_model_server, threshold=0.0, timeout_s=1e-4)
+    gen.max_consecutive_timeouts = 100
+
+    def heal(ev) -> None:
+        if ev.index == 3 and gen.link is not None:
+            gen.link.timeout_s = 10.0  # the network recovers
+
+    try:
+        expected = edge_only.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
+        a = gen.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS, on_token=heal)
+        assert a.tokens == expected.tokens
+        assert a.cloud_timeouts >= 3 and not a.degraded
+        assert a.routes[:3] == ["edge"] * 3 and set(a.routes[5:]) == {"cloud"}
+    finally:
+        gen.close()
+        edge_only.close()
