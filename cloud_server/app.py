@@ -1,21 +1,34 @@
-"""The FastAPI application: the WebSocket endpoint plus health and info routes.
+"""The FastAPI application: the WebSocket endpoint plus health, info and metrics routes.
 
     GET  /healthz   liveness: {"status": "ok", "sessions": N}
     GET  /v1/info   model name, fingerprints, protocol version, limits
+    GET  /metrics   Prometheus text format (cloud_server/metrics.py)
     WS   /v1/route  the routing protocol (shared/protocol.py, docs/protocol.md)
+
+Limits enforced per connection here, before a message reaches the protocol
+state machine: frame size (uvicorn's ws_max_size and our own check), message
+rate (token bucket), idle time, slow readers (a send that cannot complete in
+send_timeout_s closes the connection; until then the session's own generation
+waits, so its output is never buffered without bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Response, WebSocket, WebSocketDisconnect
 
+from cloud_server.audit import AuditLog, AuditOptions
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
 from cloud_server.engine import CloudEngine, EngineWorker
+from cloud_server.metrics import ServerMetrics
+from cloud_server.quotas import KeyPolicy, Quotas
+from cloud_server.services import Services
 from cloud_server.session import Connection, ConnectionDone
 from models.registry import model_info
 from shared.protocol import PROTOCOL_VERSION, Error, ErrorCode, Message, ProtocolError, decode, encode
@@ -24,13 +37,55 @@ log = logging.getLogger(__name__)
 
 WS_PATH = "/v1/route"
 POLICY_VIOLATION = 1008
+GOING_AWAY = 1001
+
+
+def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Any:
+    """The embedded llama.cpp engine with its batch scheduler, or a remote completions engine."""
+    info = model_info(config.model)
+    if config.remote_url:
+        from cloud_server.remote_engine import RemoteEngine, RemoteWorker
+
+        engine = RemoteEngine(
+            info,
+            config.remote_url,
+            model_name=config.remote_model,
+            api_key=config.remote_api_key,
+            prompt_format=config.remote_prompt_format,
+            max_sessions=config.max_sessions,
+            n_ctx=config.n_ctx,
+            timeout_s=config.remote_timeout_s,
+        )
+        return RemoteWorker(engine, concurrency=config.remote_concurrency)
+    engine = CloudEngine(
+        info,
+        n_ctx=config.n_ctx,
+        max_sessions=config.max_sessions,
+        threads=config.threads,
+        kv_slots=config.kv_slots,
+        evict_mode=config.evict_mode,
+        max_saved_bytes=config.max_saved_bytes,
+        n_batch=max(512, config.max_batch_tokens),
+        kv_layout=config.kv_layout,
+        n_gpu_layers=config.n_gpu_layers,
+    )
+    return EngineWorker(engine, max_batch_tokens=config.max_batch_tokens, observer=metrics)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
     """Load the model and build the app (the model loads once, before serving)."""
-    keys = KeyChecker(config.api_keys, insecure=config.insecure)
+    default_key = KeyPolicy(
+        max_sessions=config.key_max_sessions, tokens_per_minute=config.key_tokens_per_minute, max_cloud_fraction=config.key_max_cloud_fraction
+    )
+    keys = KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
     info = model_info(config.model)
-    worker = EngineWorker(CloudEngine(info, n_ctx=config.n_ctx, max_sessions=config.max_sessions, threads=config.threads))
+    metrics = ServerMetrics()
+    audit = AuditLog(
+        AuditOptions(config.audit_dir, config.audit_sample_rate, config.audit_retention_days, config.audit_token_ids), cloud_model=info.fingerprint
+    )
+    services = Services(quotas=Quotas(), metrics=metrics, audit=audit, abuse_warmup_tokens=config.abuse_warmup_tokens)
+    worker = build_worker(config, metrics)
+    metrics.bind(lambda: worker.engine.n_sessions, worker.engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -39,6 +94,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="TokenRouter cloud", version=str(PROTOCOL_VERSION), lifespan=lifespan)
     app.state.worker = worker
+    app.state.services = services
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -56,45 +112,66 @@ def create_app(config: ServerConfig) -> FastAPI:
             "max_sessions": config.max_sessions,
             "n_ctx": config.n_ctx,
             "auth_required": not config.insecure,
+            "engine": "remote" if config.remote_url else "llama.cpp",
         }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.websocket(WS_PATH)
     async def route(ws: WebSocket) -> None:
         await ws.accept()
+        metrics.connections.inc()
 
         async def send(msg: Message) -> None:
             frame = encode(msg)
-            if isinstance(frame, str):
-                await ws.send_text(frame)
-            else:
-                await ws.send_bytes(frame)
+            coro = ws.send_text(frame) if isinstance(frame, str) else ws.send_bytes(frame)
+            try:
+                await asyncio.wait_for(coro, config.send_timeout_s)
+            except asyncio.TimeoutError:
+                metrics.rejections.labels("slow_reader").inc()
+                raise ConnectionDone(f"the device read nothing for {config.send_timeout_s:.0f} s") from None
 
-        conn = Connection(worker, config, keys, info, send)
+        conn = Connection(worker, config, keys, info, send, services)
+        limiter = _RateLimit(config.max_messages_per_s)
         try:
             while True:
-                event = await ws.receive()
+                try:
+                    event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    metrics.rejections.labels("idle").inc()
+                    await _close_quietly(ws, GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
+                    break
                 if event["type"] == "websocket.disconnect":
                     break
                 frame = event.get("bytes") if event.get("bytes") is not None else event.get("text", "")
                 try:
-                    await conn.on_message(decode(frame, config.max_message_bytes))
+                    if not limiter.allow():
+                        metrics.rejections.labels("message_rate").inc()
+                        raise ProtocolError(ErrorCode.BUSY, f"rate limit: at most {config.max_messages_per_s:g} messages per second")
+                    await conn.on_message(_decode(frame, config.max_message_bytes))
                 except ProtocolError as exc:
                     conn.n_errors += 1
+                    metrics.protocol_errors.labels(exc.code).inc()
                     log.info("session %s: %s", conn.session_id or "-", exc)
                     await send(Error(code=exc.code, message=exc.message, request_id=_request_id(frame)))
                     if conn.n_errors >= config.max_errors_per_connection:
-                        await ws.close(POLICY_VIOLATION, "too many protocol errors")
+                        await _close_quietly(ws, POLICY_VIOLATION, "too many protocol errors")
                         break
-        except ConnectionDone:
-            await _close_quietly(ws)
+        except ConnectionDone as done:
+            await _close_quietly(ws, 1000, str(done)[:120])
         except WebSocketDisconnect:
             pass
         except Exception:  # never let one session take the server down
-            log.exception("session %s failed", conn.session_id or "-")
-            try:
-                await send(Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed"))
-            except Exception:
-                pass
+            if _client_gone(ws):
+                log.debug("session %s: the device went away", conn.session_id or "-")
+            else:
+                log.exception("session %s failed", conn.session_id or "-")
+                try:
+                    await send(Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed"))
+                except Exception:
+                    pass
             await _close_quietly(ws)
         finally:
             await conn.close()
@@ -102,11 +179,44 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-async def _close_quietly(ws: WebSocket) -> None:
+class _RateLimit:
+    """Token bucket: `rate` messages per second sustained, bursts of 2x."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.capacity = max(1.0, 2.0 * rate)
+        self.level = self.capacity
+        self.t = time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.t) * self.rate)
+        self.t = now
+        if self.level >= 1.0:
+            self.level -= 1.0
+            return True
+        return False
+
+
+def _client_gone(ws: WebSocket) -> bool:
+    from starlette.websockets import WebSocketState
+
+    return ws.client_state == WebSocketState.DISCONNECTED or ws.application_state == WebSocketState.DISCONNECTED
+
+
+async def _close_quietly(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
     try:
-        await ws.close()
+        await ws.close(code, reason)
     except Exception:
         pass
+
+
+def _decode(frame: str | bytes, max_bytes: int) -> Message:
+    """decode(), with the parser's own failures (e.g. JSON nested thousands deep) turned into a bad_frame error."""
+    try:
+        return decode(frame, max_bytes)
+    except (RecursionError, ValueError, TypeError, OverflowError, UnicodeError) as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"message cannot be parsed ({type(exc).__name__})") from None
 
 
 def _request_id(frame: str | bytes) -> int | None:
@@ -116,6 +226,6 @@ def _request_id(frame: str | bytes) -> int | None:
     try:
         text = frame if isinstance(frame, str) else frame[4 : 4 + int.from_bytes(frame[:4], "big")]
         rid = json.loads(text).get("request_id")
-        return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None  # never echo an invalid id
     except Exception:
         return None

@@ -7,6 +7,8 @@ import hmac
 import os
 from pathlib import Path
 
+from cloud_server.quotas import KeyPolicy
+
 ENV_VAR = "TOKENROUTER_API_KEYS"
 
 
@@ -15,7 +17,7 @@ def digest(key: str) -> str:
 
 
 def load_keys(path: str | None) -> list[str]:
-    """Keys from FILE (one per line, '#' comments, plain or 'sha256:<hex>') and $TOKENROUTER_API_KEYS (comma-separated)."""
+    """Keys from FILE (one per line, '#' comments, plain or 'sha256:<hex>', optional quota options) and $TOKENROUTER_API_KEYS (comma-separated)."""
     keys: list[str] = []
     if path:
         try:
@@ -27,17 +29,54 @@ def load_keys(path: str | None) -> list[str]:
     return keys
 
 
+def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
+    """'KEY [name=N] [max_sessions=N] [tokens_per_minute=N] [max_cloud_fraction=F]' -> (digest, policy)."""
+    key, *opts = line.split()
+    d = key if key.startswith("sha256:") else digest(key)
+    fields: dict[str, object] = {"name": "key-" + d[7:15]}
+    for opt in opts:
+        name, sep, value = opt.partition("=")
+        try:
+            if name == "name" and sep:
+                fields["name"] = value
+            elif name in ("max_sessions", "tokens_per_minute") and sep:
+                fields[name] = int(value)
+            elif name == "max_cloud_fraction" and sep:
+                fields[name] = float(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"API key entry {fields['name']}: bad option {opt!r}; use name=, max_sessions=, tokens_per_minute= or max_cloud_fraction="
+            ) from None
+    base = {f: getattr(default, f) for f in ("max_sessions", "tokens_per_minute", "max_cloud_fraction")}
+    base.update(fields)
+    return d, KeyPolicy(**base)  # type: ignore[arg-type]
+
+
 class KeyChecker:
-    def __init__(self, keys: list[str], insecure: bool = False) -> None:
+    """Known keys, as digests, each with its quota policy (defaults from `default`)."""
+
+    def __init__(self, keys: list[str], insecure: bool = False, default: KeyPolicy | None = None) -> None:
         self.insecure = insecure
-        self._digests = {k if k.startswith("sha256:") else digest(k) for k in keys}
+        self.default = default or KeyPolicy()
+        self._policies: dict[str, KeyPolicy] = dict(_parse_line(k, self.default) for k in keys if k.strip())
+        self._digests = set(self._policies)
         if not insecure and not self._digests:
             raise ValueError(
                 f"no API keys configured: pass --api-keys FILE or set ${ENV_VAR}, or --insecure for local use"
             )
 
     def check(self, key: str) -> bool:
-        if self.insecure:
-            return True
+        return self.identify(key) is not None
+
+    def identify(self, key: str) -> KeyPolicy | None:
+        """The key's policy, or None for an unknown key (compared in constant time)."""
         d = digest(key)
-        return any(hmac.compare_digest(d, known) for known in self._digests)
+        found = None
+        for known in self._digests:
+            if hmac.compare_digest(d, known):
+                found = self._policies[known]
+        if found is None and self.insecure:
+            return KeyPolicy(name="anonymous", **{f: getattr(self.default, f) for f in ("max_sessions", "tokens_per_minute", "max_cloud_fraction")})
+        return found

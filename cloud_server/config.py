@@ -11,12 +11,39 @@ from shared.protocol import MAX_MESSAGE_BYTES
 @dataclass(slots=True)
 class ServerConfig:
     model: str = DEFAULT_CLOUD_MODEL
-    api_keys: list[str] = field(default_factory=list)  # plain keys or "sha256:<hex>" digests
+    api_keys: list[str] = field(default_factory=list)  # plain keys or "sha256:<hex>" digests, with optional quota options
     insecure: bool = False  # accept any key (local use only)
     n_ctx: int = 8192  # KV cells shared by all sessions: the KV memory budget
-    max_sessions: int = 16
+    max_sessions: int = 16  # open sessions (connections past hello)
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_tokens_per_request: int = 512
     max_errors_per_connection: int = 32  # then the connection is closed
-    idle_timeout_s: float = 300.0
+    idle_timeout_s: float = 300.0  # a connection silent this long is closed
+    send_timeout_s: float = 30.0  # a device that reads nothing this long is disconnected (slow reader)
     threads: int | None = None
+    record_dir: str | None = None  # flywheel: record live hard tokens as training shards (off by default; a privacy choice)
+    # scheduling and the KV budget (embedded engine)
+    kv_slots: int | None = None  # sessions holding KV cells at once (default max_sessions, at most 256)
+    evict_mode: str = "recompute"  # "recompute" (re-prefill from history) or "save" (KV copied to host memory)
+    max_saved_bytes: int = 256 << 20  # host memory for saved KV states
+    max_batch_tokens: int = 512  # tokens per batched decode (fairness: the chunk a long prefill may take)
+    n_gpu_layers: int = 0  # layers offloaded to the GPU (CUDA builds of llama-cpp-python; -1 = all)
+    kv_layout: str = "unified"  # "split": each KV slot gets n_ctx / kv_slots cells (much faster with many sessions)
+    # limits per connection and per key
+    max_messages_per_s: float = 200.0  # sustained; bursts of twice this are allowed
+    key_max_sessions: int | None = None  # defaults for keys without their own options
+    key_tokens_per_minute: int | None = None
+    key_max_cloud_fraction: float | None = None
+    abuse_warmup_tokens: int = 32
+    # audit log
+    audit_dir: str | None = None
+    audit_sample_rate: float = 1.0
+    audit_retention_days: float = 30.0
+    audit_token_ids: bool = False
+    # remote engine (OpenAI-compatible completions: vLLM, SGLang, llama.cpp server)
+    remote_url: str | None = None  # e.g. http://vllm:8000/v1; None = embedded llama.cpp engine
+    remote_model: str = ""  # model name the remote server serves
+    remote_api_key: str = ""
+    remote_prompt_format: str = "ids"  # "ids" (token-id prompts) or "text" (servers that only take strings)
+    remote_timeout_s: float = 30.0
+    remote_concurrency: int = 64

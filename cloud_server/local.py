@@ -52,7 +52,7 @@ class LocalCloudServer:
                 fields = dict(part.split("=", 1) for part in line.split()[1:])
                 self.url = fields["url"]
                 self.port = int(fields["port"])
-                self.http_url = f"http://127.0.0.1:{self.port}"
+                self.http_url = f"{'https' if self.url.startswith('wss') else 'http'}://127.0.0.1:{self.port}"
                 threading.Thread(target=self._drain, daemon=True).start()
                 return self
         self.stop()

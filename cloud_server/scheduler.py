@@ -1,0 +1,208 @@
+"""The engine thread: batches hard-token and sync requests of many sessions into one decode.
+
+Why: one decode of 32 sequences costs far less than 32 decodes of one (the
+weights are read once per batch), so a server that serves sessions one at a
+time wastes its accelerator. Every session has at most one request in flight
+(the connection awaits it), so each batch holds at most one item per session.
+
+Fairness: requests are served oldest first. Every generate in the queue gets
+its token in the next batch unless the per-batch token budget is spent by
+older requests; long prefills are cut into chunks, so a 2000-token sync never
+holds back another session's hard token by more than one chunk.
+
+Plain calls (`call(fn, *args)`, any engine method) run on the same thread,
+between batches and in arrival order, so code written against
+`await worker.call(engine.method, ...)` keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from cloud_server.engine import CloudEngine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PREFILL, GENERATE = "prefill", "generate"
+
+
+class BatchObserver(Protocol):
+    """What the scheduler reports (metrics.py implements it)."""
+
+    def on_batch(self, n_items: int, n_tokens: int, decode_s: float) -> None: ...
+
+    def on_queue_wait(self, seconds: float) -> None: ...
+
+
+@dataclass(slots=True)
+class Request:
+    """One session's prefill or generate, waiting for (or partway through) the engine."""
+
+    handle: int
+    kind: str
+    future: "asyncio.Future[Any] | concurrent.futures.Future[Any]"
+    loop: asyncio.AbstractEventLoop | None
+    t_enqueued: float = field(default_factory=time.perf_counter)
+    started: bool = False
+    compute_s: float = 0.0  # decode time of every batch this request took part in
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What `CloudEngine.step` did with one request: done with a result, failed, or still pending."""
+
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+    progressed: bool = False
+
+
+class BatchScheduler:
+    def __init__(self, engine: "CloudEngine", max_batch_tokens: int = 512, observer: BatchObserver | None = None) -> None:
+        self.engine = engine
+        self.max_batch_tokens = max(1, min(max_batch_tokens, engine.ctx.n_batch))
+        self.observer = observer
+        self._cv = threading.Condition()
+        self._calls: deque[tuple[Callable[..., Any], tuple, Any, asyncio.AbstractEventLoop | None]] = deque()
+        self._new: list[Request] = []
+        self._active: list[Request] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- submitting
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._push_call(fn, args, fut, loop)
+        return await fut
+
+    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._push_call(fn, args, fut, None)
+        return fut
+
+    async def request(self, handle: int, kind: str) -> Any:
+        """Queue a prefill or generate for a session and wait for its batch."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the engine is shutting down")
+            self._new.append(Request(handle, kind, fut, loop))
+            self._cv.notify()
+        return await fut
+
+    def _push_call(self, fn: Callable[..., Any], args: tuple, fut: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the engine is shutting down")
+            self._calls.append((fn, args, fut, loop))
+            self._cv.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._new) + len(self._active)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # ---------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        stalled = False
+        while True:
+            with self._cv:
+                while not self._stop and not self._calls and not self._new and (not self._active or stalled):
+                    self._cv.wait(timeout=0.05 if stalled else None)
+                    if stalled:
+                        break  # retry the stalled requests now and then: sessions may have closed
+                if self._stop:
+                    calls, new = list(self._calls), self._new
+                    self._calls.clear()
+                    self._new = []
+                    break
+                calls, new = list(self._calls), self._new
+                self._calls.clear()
+                self._new = []
+            for fn, args, fut, loop in calls:
+                try:
+                    _resolve(fut, loop, fn(*args), None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    _resolve(fut, loop, None, exc)
+            self._active.extend(new)
+            if self._active:
+                stalled = not self._step()
+        shutdown_error = RuntimeError("the engine shut down")
+        for fn, args, fut, loop in calls:
+            _resolve(fut, loop, None, shutdown_error)
+        for req in self._active + new:
+            _resolve(req.future, req.loop, None, shutdown_error)
+
+    def _step(self) -> bool:
+        """One batch over the queued requests. Returns False when nothing could progress."""
+        # hard tokens first (a device is waiting on each), then prefills; oldest first within each
+        reqs = self._active = sorted(self._active, key=lambda r: r.kind == PREFILL)
+        now = time.perf_counter()
+        try:
+            outcomes, n_items, n_tokens, decode_s = self.engine.step(reqs, self.max_batch_tokens)
+        except BaseException as exc:  # noqa: BLE001 - an engine bug fails the batch, not the thread
+            log.exception("batch failed")
+            for req in reqs:
+                _resolve(req.future, req.loop, None, exc)
+            self._active = []
+            return True
+        if n_items and self.observer is not None:
+            self.observer.on_batch(n_items, n_tokens, decode_s)
+        keep: list[Request] = []
+        progressed = False
+        for req, out in zip(reqs, outcomes):
+            if out.progressed and not req.started:
+                req.started = True
+                if self.observer is not None:
+                    self.observer.on_queue_wait(now - req.t_enqueued)
+            progressed |= out.progressed or out.done or out.error is not None
+            if out.error is not None:
+                _resolve(req.future, req.loop, None, out.error)
+            elif out.done:
+                _resolve(req.future, req.loop, out.result, None)
+            else:
+                keep.append(req)
+        self._active = keep
+        return progressed
+
+
+def _resolve(fut: Any, loop: asyncio.AbstractEventLoop | None, result: Any, error: BaseException | None) -> None:
+    """Complete an asyncio future from the engine thread (or a concurrent one directly)."""
+    if loop is None:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+        return
+
+    def done() -> None:
+        if fut.done():  # the waiter was cancelled
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass

@@ -1,0 +1,137 @@
+"""The remote engine backend against a real OpenAI-compatible server on loopback.
+
+llama-cpp-python ships one (`python -m llama_cpp.server`); its completions
+endpoint takes only string prompts, so the end-to-end test runs the `text`
+prompt format. vLLM and llama.cpp's C++ server cannot run here: their reply
+shapes (token ids in "token_id:N" logprob tokens, or a `tokens` list) are
+checked on recorded reply bodies, which is the only part that differs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from websockets.sync.client import connect
+
+from cloud_server.local import LocalCloudServer
+from cloud_server.remote_engine import RemoteEngine, RemoteEngineError
+from models.registry import DEFAULT_CLOUD_MODEL
+from shared.protocol import PROTOCOL_VERSION, Accept, Close, Generate, Hello, SamplingParams, Tokens, decode, encode
+from tests.conftest import chat
+from tests.helpers import reference_greedy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def openai_server(cloud_info, tmp_path_factory):
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(cloud_info.path), "--host", "127.0.0.1", "--port", str(port),
+           "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1"]
+    log_path = tmp_path_factory.mktemp("llama_server") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("llama_cpp.server did not start:\n" + log_path.read_text()[-2000:])
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_remote_engine_writes_the_same_greedy_tokens_as_the_model_alone(openai_server, cloud_info):
+    q = chat("what is the capital of france")
+    ref = reference_greedy(cloud_info, q, 8)
+    eng = RemoteEngine(cloud_info, openai_server, prompt_format="text")
+    try:
+        h = eng.open(eng.model.chat_tokens(q), SamplingParams())
+        out = []
+        for _ in range(8):
+            token, logprob, seconds = eng.generate_one(h)
+            assert logprob <= 0.0 and seconds > 0
+            out.append(token)
+            if eng.is_eog(token):
+                break
+        assert out == ref[: len(out)], (eng.model.detokenize(out), eng.model.detokenize(ref))
+        assert "Paris" in eng.model.detokenize(out)
+    finally:
+        eng.close_all()
+
+
+def test_cloud_server_serves_sessions_through_the_remote_engine(openai_server, cloud_info):
+    args = ["--remote-url", openai_server, "--remote-prompt-format", "text"]
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
+        with urllib.request.urlopen(server.http_url + "/v1/info", timeout=5) as r:
+            assert json.loads(r.read())["engine"] == "remote"
+        with connect(server.url, open_timeout=10, compression=None) as ws:
+            ws.send(encode(Hello(version=PROTOCOL_VERSION, api_key=server.api_key, edge_model=cloud_info.fingerprint,
+                                 tokenizer=cloud_info.tokenizer_fingerprint, messages=chat("what is the capital of france"))))
+            acc = decode(ws.recv(timeout=10))
+            assert isinstance(acc, Accept)
+            ws.send(encode(Generate(request_id=1, position=acc.n_prompt, tokens=[], max_tokens=6)))
+            got = []
+            while True:
+                m = decode(ws.recv(timeout=30))
+                assert isinstance(m, Tokens) and m.position == acc.n_prompt + len(got)
+                got += m.ids
+                if m.final:
+                    break
+            ws.send(encode(Close()))
+        assert got == reference_greedy(cloud_info, chat("what is the capital of france"), 6)[: len(got)]
+
+
+def test_unreachable_remote_engine_is_a_clear_error(cloud_info):
+    eng = RemoteEngine(cloud_info, f"http://127.0.0.1:{free_port()}/v1", timeout_s=2)
+    try:
+        h = eng.open([1, 2, 3], SamplingParams())
+        with pytest.raises(RemoteEngineError, match="unreachable"):
+            eng.generate_one(h)
+    finally:
+        eng.close_all()
+    with pytest.raises(ValueError, match="http://host:port/v1"):
+        RemoteEngine(cloud_info, "vllm:8000")
+
+
+@pytest.mark.parametrize(
+    "reply, token",
+    [
+        ({"choices": [{"text": " Paris", "logprobs": {"tokens": ["token_id:7042"], "token_logprobs": [-0.1]}}]}, 7042),  # vLLM
+        ({"choices": [{"text": " Paris", "tokens": [7042], "logprobs": None}]}, 7042),  # llama.cpp server, return_tokens
+        ({"choices": [{"text": "", "finish_reason": "stop", "logprobs": {"tokens": [], "token_logprobs": []}}]}, "end"),  # stopped at EOS
+    ],
+)
+def test_token_ids_are_read_from_each_engines_reply_shape(cloud_info, reply, token):
+    eng = RemoteEngine(cloud_info, "http://127.0.0.1:9/v1")
+    try:
+        tok, logprob = eng._parse(reply)
+        assert tok == (eng.model.end_token if token == "end" else token)
+        assert eng.is_eog(tok) == (token == "end")
+        with pytest.raises(RemoteEngineError, match="return_tokens_as_token_ids"):
+            eng._parse({"choices": [{"text": "", "finish_reason": "length"}]})
+    finally:
+        eng.close_all()

@@ -1,0 +1,111 @@
+"""Small parts of the production server on their own: key files, quotas, the abuse check, audit sampling and retention, TLS."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from websockets.sync.client import connect
+
+from cloud_server.audit import AuditLog, AuditOptions
+from cloud_server.auth import KeyChecker, digest
+from cloud_server.local import LocalCloudServer
+from cloud_server.quotas import KeyPolicy, QuotaExceeded, Quotas, SessionGuard
+from models.registry import DEFAULT_CLOUD_MODEL
+from shared import routing_log
+from shared.protocol import PROTOCOL_VERSION, Accept, Hello, decode, encode
+from tests.conftest import chat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_key_file_options_digests_and_clear_errors():
+    keys = KeyChecker([f"{digest('alpha')} name=a max_sessions=2 tokens_per_minute=60 max_cloud_fraction=0.4", "beta"],
+                      default=KeyPolicy(max_sessions=9))
+    a = keys.identify("alpha")
+    assert a == KeyPolicy(name="a", max_sessions=2, tokens_per_minute=60, max_cloud_fraction=0.4)
+    b = keys.identify("beta")
+    assert b is not None and b.max_sessions == 9 and b.name.startswith("key-")
+    assert keys.identify("gamma") is None and keys.check("alpha") and not keys.check("")
+    with pytest.raises(ValueError, match="bad option 'max_sesions=2'"):
+        KeyChecker(["k max_sesions=2"])
+    with pytest.raises(ValueError, match="no API keys configured"):
+        KeyChecker([])
+    assert KeyChecker([], insecure=True).identify("anything").name == "anonymous"
+    out = subprocess.run([sys.executable, "-m", "cloud_server.cli", "hash-key", "alpha"], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == digest("alpha")
+
+
+def test_quotas_sessions_and_token_bucket():
+    q, key = Quotas(), KeyPolicy(name="k", max_sessions=1, tokens_per_minute=3)
+    q.open_session(key)
+    with pytest.raises(QuotaExceeded, match="already has 1 open sessions"):
+        q.open_session(key)
+    q.close_session(key)
+    q.open_session(key)
+    for _ in range(3):
+        q.take_cloud_tokens(key, 1)
+    with pytest.raises(QuotaExceeded, match=r"retry in \d+\.\d s") as exc:
+        q.take_cloud_tokens(key, 1)
+    assert exc.value.kind == "key_tokens_per_minute"
+    q.take_cloud_tokens(KeyPolicy(name="free"), 10**6)  # no limit set: never refused
+
+
+def test_abuse_guard_flags_over_cap_after_warmup_and_recovers():
+    g = SessionGuard(KeyPolicy(max_cloud_fraction=0.5), warmup_tokens=4)
+    for _ in range(4):  # warm-up: anything goes
+        g.check_hard_token()
+        g.cloud_token()
+    with pytest.raises(QuotaExceeded, match="throttled"):
+        g.check_hard_token()
+    assert g.flagged and g.throttled == 1
+    g.device_tokens(10)
+    g.check_hard_token()  # 5/15 <= 50%
+
+
+def test_audit_sampling_retention_and_rollbacks(tmp_path):
+    log = AuditLog(AuditOptions(str(tmp_path), sample_rate=0.5), cloud_model="cloud-fp")
+    kept = [sid for sid in (f"s{i}" for i in range(200)) if log.sampled(sid)]
+    assert 60 < len(kept) < 140, "about half the sessions are sampled"
+    assert all(log.sampled(s) for s in kept), "the choice is stable for a session id"
+    dropped = next(f"s{i}" for i in range(200) if not log.sampled(f"s{i}"))
+    a = log.start(dropped, "k", n_prompt=10)
+    a.tokens(10, [1, 2, 3], cloud=False)
+    a.tokens(13, [4], cloud=True)
+    a.rollback(12)  # the device took back two tokens
+    a.tokens(12, [5], cloud=True)
+    assert log.finish(a, "edge-fp") is None, "not sampled, not flagged: not kept"
+    a.flagged = True
+    path = log.finish(a, "edge-fp")
+    assert path is not None
+    logged = list(routing_log.read(path.read_bytes()))
+    assert [(t.position, t.writer, t.model) for t in logged] == [(10, "edge", "edge-fp"), (11, "edge", "edge-fp"), (12, "cloud", "cloud-fp")]
+    entry = json.loads((path.parent / "index.jsonl").read_text().splitlines()[-1])
+    assert entry["flagged"] and entry["cloud_tokens"] == 1 and entry["key"] == "k"
+    old = tmp_path / (datetime.now(timezone.utc) - timedelta(days=40)).strftime("%Y-%m-%d")
+    old.mkdir()
+    (old / "x.trlg").write_bytes(b"")
+    assert log.sweep() == 1 and not old.exists() and path.exists()
+    with pytest.raises(ValueError, match="sample_rate"):
+        AuditLog(AuditOptions(str(tmp_path), sample_rate=2.0), "c")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_tls_through_uvicorn_options(tmp_path, cloud_info):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, env=dict(os.environ))
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]) as server:
+        assert server.url.startswith("wss://")
+        ctx = ssl.create_default_context(cafile=str(cert))
+        with connect(server.url, ssl=ctx, open_timeout=10) as ws:
+            ws.send(encode(Hello(version=PROTOCOL_VERSION, api_key=server.api_key, edge_model=cloud_info.fingerprint,
+                                 tokenizer=cloud_info.tokenizer_fingerprint, messages=chat("hi"))))
+            assert isinstance(decode(ws.recv(timeout=10)), Accept)
