@@ -23,11 +23,9 @@ sequence they occupy while resident.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import llama_cpp as lc
 
@@ -119,8 +117,9 @@ class CloudEngine:
             raise ValueError(f"kv_layout must be one of {self.KV_LAYOUTS}, got {kv_layout!r}")
         kv_slots = min(kv_slots or max_sessions, max_sessions, 256)  # llama.cpp allows 256 sequences
         self.model = LlamaModel(info, n_gpu_layers=n_gpu_layers)
-        with _kv_layout(kv_layout == "unified"):
-            self.ctx = LlamaContext(self.model, n_ctx=n_ctx, n_seq=kv_slots, n_batch=n_batch, threads=threads, embeddings=False)
+        self.ctx = LlamaContext(
+            self.model, n_ctx=n_ctx, n_seq=kv_slots, n_batch=n_batch, threads=threads, embeddings=False, kv_unified=kv_layout == "unified"
+        )
         self.kv_layout = kv_layout
         # cells one session may hold: the whole pool when unified, an equal share when split
         self.seq_cells = self.ctx.n_ctx if kv_layout == "unified" else int(lc.llama_n_ctx_seq(self.ctx.ptr))
@@ -505,34 +504,6 @@ class EngineWorker:
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.engine.close_all()
-
-
-_layout_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _kv_layout(unified: bool) -> Iterator[None]:
-    """Create a LlamaContext with the given KV layout (shared.llama_backend always asks for unified).
-
-    Why split: with one unified pool every token attends over the cells of
-    all sessions (masked), so attention cost grows with the number of
-    sessions; measured 4.8x slower for 32 sessions x 150 tokens (docs/server.md).
-    """
-    if unified:
-        yield
-        return
-    with _layout_lock:
-        orig = lc.llama_init_from_model
-
-        def init_split(model: object, params: object) -> object:
-            params.kv_unified = False  # type: ignore[attr-defined]
-            return orig(model, params)
-
-        lc.llama_init_from_model = init_split
-        try:
-            yield
-        finally:
-            lc.llama_init_from_model = orig
 
 
 def _kv_bytes_per_cell(model: LlamaModel) -> int:

@@ -157,7 +157,18 @@ class LlamaContext:
     decode.
     """
 
-    def __init__(self, model: LlamaModel, n_ctx: int = 2048, n_seq: int = 1, n_batch: int = 512, threads: int | None = None, embeddings: bool = True) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        n_ctx: int = 2048,
+        n_seq: int = 1,
+        n_batch: int = 512,
+        threads: int | None = None,
+        embeddings: bool = True,
+        kv_unified: bool = True,
+    ) -> None:
+        """kv_unified: sequences share one pool of n_ctx KV cells (the pool is the memory budget);
+        False gives each sequence n_ctx / n_seq cells, so attention never scans other sessions' cells."""
         self.model = model
         self.n_seq = n_seq
         self.n_batch = n_batch
@@ -166,7 +177,7 @@ class LlamaContext:
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = n_seq
-        params.kv_unified = True  # sessions share one pool of KV cells: the pool is the memory budget
+        params.kv_unified = kv_unified
         params.embeddings = embeddings
         params.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
         params.n_threads = params.n_threads_batch = threads or default_threads()
