@@ -28,7 +28,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--threshold", type=float, default=None, help="route when the router score >= T")
     g.add_argument("--cloud-fraction", type=float, default=None, help="target fraction of cloud tokens, calibrated online (default 0.3)")
-    p.add_argument("--router", default="entropy", help="heuristic (entropy, top1, margin) or a learned router file")
+    p.add_argument("--router", default="auto", help="auto (the shipped learned router for the model pair, else entropy), entropy, top1, margin, or a router file")
+    p.add_argument("--router-on-mismatch", choices=["error", "heuristic"], default="error", help="a router file trained for another device model: refuse, or warn and use entropy")
     p.add_argument("--warmup", type=int, default=0, help="first N tokens of each answer stay on the device")
     p.add_argument("--hysteresis", type=float, default=0.0, help="keep routing until the score drops below T - H")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -52,6 +53,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         warmup=args.warmup,
         hysteresis=args.hysteresis,
         router=args.router,
+        router_on_mismatch=args.router_on_mismatch,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

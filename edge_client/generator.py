@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -55,7 +56,7 @@ class GeneratorOptions:
     cloud_fraction: float | None = 0.3  # the one calibrated knob: target share of cloud-written tokens
     warmup: int = 0
     hysteresis: float = 0.0
-    router: str = "entropy"  # heuristic kind, or a path to a learned router file (.npz)
+    router: str = "auto"  # "auto" (shipped learned router for the pair, else entropy), a heuristic kind, or a router file (.npz)
     router_on_mismatch: str = "error"  # learned router trained for another edge model: "error" or "heuristic" (warn, fall back)
     max_tokens: int = 128
     temperature: float = 0.0
@@ -147,7 +148,7 @@ class RoutedGenerator:
         pieces: list[str] = []
         token_ms: list[float] = []
         router_ms: list[float] = []
-        stats0 = self._stats_snapshot()
+        stats0 = self._total_stats()
         timeouts0 = self.cloud_timeouts
         t_last = t_start
 
@@ -310,9 +311,6 @@ class RoutedGenerator:
         r, s = self._retired, (self.link.stats if self.link is not None else LinkStats())
         return (r.bytes_up + s.bytes_up, r.bytes_down + s.bytes_down, r.round_trips + s.round_trips, r.cloud_compute_ms + s.cloud_compute_ms)
 
-    def _stats_snapshot(self) -> tuple[int, int, int, float]:
-        return self._total_stats()
-
     def _stats_into(self, answer: Answer, before: tuple[int, int, int, float]) -> None:
         after = self._total_stats()
         answer.bytes_up, answer.bytes_down, answer.round_trips = after[0] - before[0], after[1] - before[1], after[2] - before[2]
@@ -343,15 +341,30 @@ def _latency(t_start: float, token_ms: list[float], router_ms: list[float]) -> L
     )
 
 
-def build_router(spec: str, n_vocab: int, edge_info: ModelInfo | None = None, on_mismatch: str = "error") -> Router:
-    """A heuristic kind ("entropy", "top1", "margin") or a learned router file (checked against `edge_info`)."""
+ROUTERS_DIR = Path(__file__).resolve().parents[1] / "models" / "routers"
+
+
+def shipped_router(edge_model: str, cloud_model: str) -> Path | None:
+    """The trained router shipped for this (device, cloud) model pair, if there is one."""
+    path = ROUTERS_DIR / f"{edge_model}__{cloud_model}.npz"
+    return path if path.is_file() else None
+
+
+def build_router(spec: str, n_vocab: int, edge_info: ModelInfo | None = None, on_mismatch: str = "error", cloud_model: str = "") -> Router:
+    """"auto" (the shipped learned router for the pair, else entropy), a heuristic kind
+    ("entropy", "top1", "margin"), or a learned router file (checked against `edge_info`)."""
+    if spec == "auto":
+        path = shipped_router(edge_info.name, cloud_model) if edge_info is not None else None
+        if path is None:
+            return HeuristicRouter("entropy", n_vocab)
+        spec, on_mismatch = str(path), "heuristic"
     if spec in HeuristicRouter.KINDS:
         return HeuristicRouter(spec, n_vocab)
     if spec.endswith(".npz") or os.path.isfile(spec):
         from shared.learned_router import load_router
 
         return load_router(spec, edge_info, on_mismatch=on_mismatch, n_vocab=n_vocab)
-    raise ValueError(f"unknown router {spec!r}: use one of {', '.join(HeuristicRouter.KINDS)} or a learned router file (.npz)")
+    raise ValueError(f"unknown router {spec!r}: use auto, one of {', '.join(HeuristicRouter.KINDS)} or a learned router file (.npz)")
 
 
 @contextlib.contextmanager
@@ -360,7 +373,7 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
     from cloud_server.local import LocalCloudServer
 
     edge = LlamaModel(model_info(opts.edge_model))
-    router = build_router(opts.router, edge.n_vocab, edge.info, opts.router_on_mismatch)
+    router = build_router(opts.router, edge.n_vocab, edge.info, opts.router_on_mismatch, cloud_model=opts.cloud_model)
     policy = RoutingPolicy(
         PolicyConfig(opts.policy, threshold=opts.threshold, cloud_fraction=opts.cloud_fraction, warmup=opts.warmup, hysteresis=opts.hysteresis),
         prior=getattr(router, "threshold_for", None),
@@ -388,7 +401,6 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
             n_ctx=opts.n_ctx,
             threads=opts.threads,
         )
-        gen.server = server  # type: ignore[attr-defined]  # tests reach the child process through it
         try:
             yield gen
         finally:

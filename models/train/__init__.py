@@ -1,0 +1,1 @@
+"""Training the learned router: label (models -> shards), fit (shards -> router file), eval (routed decoding)."""

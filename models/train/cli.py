@@ -1,0 +1,185 @@
+"""`tokenrouter-train`: label | fit | eval | reproduce.
+
+    tokenrouter-train label --split train:240 --split oos_train:40 --out labels/train
+    tokenrouter-train fit --train labels/train --val labels/val --out router.npz
+    tokenrouter-train eval --split val --limit 40 --json
+    tokenrouter-train reproduce      # label + fit the shipped router for the default pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROUTERS_DIR = REPO_ROOT / "models" / "routers"
+DEFAULT_ROUTER = ROUTERS_DIR / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}.npz"
+
+# what `reproduce` labels: CLINC150 train + oos_train for fitting, val (offset 1) for early stopping
+SHIP_TRAIN = ("train:160", "oos_train:32")
+SHIP_VAL = ("val:64",)
+SHIP_VAL_OFFSET = 1
+
+
+def _prompts(args: argparse.Namespace) -> tuple[list[str], str]:
+    from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
+
+    if args.prompts:
+        return file_prompts(args.prompts)[: args.limit] if args.limit else file_prompts(args.prompts), str(args.prompts)
+    out: list[str] = []
+    for spec in args.split:
+        name, n = parse_split_spec(spec)
+        out += clinc_prompts(name, n if n is not None else args.limit, offset=args.offset)
+    return out, ",".join(args.split)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenrouter-train", description="train and evaluate TokenRouter's learned router")
+    ap.add_argument("--log-level", default="warning")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def models(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
+        p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
+        p.add_argument("--max-tokens", type=int, default=48, help="answer tokens per prompt")
+        p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (1 is fastest on a busy 2-core machine)")
+
+    def prompt_source(p: argparse.ArgumentParser, default_split: str) -> None:
+        p.add_argument("--split", action="append", help=f"CLINC150 split, NAME or NAME:COUNT, repeatable (default {default_split})")
+        p.add_argument("--prompts", metavar="FILE", help="one prompt per line (instead of CLINC150)")
+        p.add_argument("--limit", type=int, default=None, help="prompts per split (even stride through it)")
+        p.add_argument("--offset", type=int, default=0, help="shift the stride (keeps two selections of one split apart)")
+
+    p = sub.add_parser("label", help="run both models over prompts and write labelled shards")
+    models(p)
+    prompt_source(p, "train")
+    p.add_argument("--out", required=True, type=Path, help="shard directory (existing shards are kept: resumable)")
+    p.add_argument("--prompts-per-shard", type=int, default=16)
+    p.add_argument("--window", type=int, default=8, help="cloud rollout tokens per mismatch (divergence label)")
+
+    p = sub.add_parser("fit", help="train the router MLP and export a numpy router file")
+    p.add_argument("--train", nargs="+", required=True, help="shard files or directories (labelled or live)")
+    p.add_argument("--val", nargs="*", default=[], help="validation shards (default: hold out 15%% of training prompts)")
+    p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
+    p.add_argument("--label", default="regret", choices=("divergent", "mismatch", "regret"), help="training target (default regret: best on the cloud-NLL measure, see docs/router.md)")
+    p.add_argument("--regret-nats", type=float, default=1.0)
+    p.add_argument("--hidden-units", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=80)
+    p.add_argument("--dropout", type=float, default=0.3, help="input dropout")
+    p.add_argument("--weight-decay", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", type=Path, default=None, help="training report path stem (default: next to --out)")
+
+    p = sub.add_parser("eval", help="quality vs cloud fraction by real routed decoding")
+    models(p)
+    prompt_source(p, "val")
+    p.add_argument("--router", type=Path, default=DEFAULT_ROUTER)
+    p.add_argument("--out", type=Path, default=Path("eval"), help="writes OUT.json and OUT.png")
+    p.add_argument("--json", action="store_true", help="print the result object on stdout")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=2, help="prompts decoded together (29 configurations each)")
+
+    p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
+    p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
+    p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
+    p.add_argument("--threads", type=int, default=1)
+    return ap
+
+
+def cmd_label(args: argparse.Namespace) -> None:
+    from models.train.label import LabelOptions, label
+
+    if not args.split and not args.prompts:
+        args.split = ["train"]
+    prompts, source = _prompts(args)
+    t0 = time.perf_counter()
+    opts = LabelOptions(args.edge_model, args.cloud_model, args.out, max_tokens=args.max_tokens, prompts_per_shard=args.prompts_per_shard, window=args.window, threads=args.threads)
+    paths = label(prompts, opts)
+    print(f"labelled {len(prompts)} prompts from {source} into {len(paths)} shards in {args.out} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+
+
+def cmd_fit(args: argparse.Namespace) -> dict:
+    from models.train.fit import FitOptions, fit
+    from models.train.report import write_report
+
+    opts = FitOptions(
+        train=args.train,
+        val=args.val,
+        out=args.out,
+        label=args.label,
+        regret_nats=args.regret_nats,
+        hidden_units=args.hidden_units,
+        epochs=args.epochs,
+        seed=args.seed,
+        dropout=args.dropout,
+        weight_decay=args.weight_decay,
+    )
+    report = fit(opts)
+    stem = args.report or args.out.with_suffix("")
+    write_report(report, Path(str(stem) + ".report"))
+    m = report["metrics"]
+    print(f"wrote {args.out} ({report['size_bytes'] / 1e3:.0f} kB): val AUC {m['auc']} ({m['label']}), divergent {m['auc_divergent']} vs entropy {m['entropy_auc_divergent']}", file=sys.stderr)
+    return report
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from models.train.evaluate import EvalOptions, evaluate, plot, write_json
+
+    if not args.split and not args.prompts:
+        args.split = ["val"]
+    prompts, source = _prompts(args)
+    opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch)
+    bar = None
+    if not args.json:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), unit="prompt", desc="eval")
+        except ImportError:
+            pass
+    result = evaluate(prompts, opts, on_progress=bar.update if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    result["split"] = source
+    write_json(result, args.out.with_suffix(".json"))
+    plot(result, args.out.with_suffix(".png"))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        gap = result["gap_recovered_at_30"]
+        print(f"{len(prompts)} prompts ({source}) in {result['seconds']}s; gap recovered at 30% cloud tokens: " + ", ".join(f"{k} {v:.0%}" if not math.isnan(v) else f"{k} n/a" for k, v in gap.items()))
+        print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+
+
+def cmd_reproduce(args: argparse.Namespace) -> None:
+    from models.train.label import LabelOptions, label
+    from models.train.prompts import clinc_prompts, parse_split_spec
+
+    work = args.work or cache_dir() / "labels" / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}"
+    t0 = time.perf_counter()
+    for sub, specs, offset in (("val", SHIP_VAL, SHIP_VAL_OFFSET), ("train", SHIP_TRAIN, 0)):
+        prompts = [q for spec in specs for q in clinc_prompts(*parse_split_spec(spec), offset=offset)]
+        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, work / sub, prompts_per_shard=16, threads=args.threads))
+    ns = build_parser().parse_args(["fit", "--train", str(work / "train"), "--val", str(work / "val"), "--out", str(args.out)])
+    cmd_fit(ns)
+    print(f"reproduced {args.out} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        {"label": cmd_label, "fit": cmd_fit, "eval": cmd_eval, "reproduce": cmd_reproduce}[args.command](args)
+    except (ValueError, FileNotFoundError, ModelNotFoundError) as exc:
+        sys.exit(f"tokenrouter-train {args.command}: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""`tokenrouter-train eval`: quality against cloud fraction, by real routed decoding.
+
+For every prompt and configuration the edge model writes easy tokens and the
+cloud model writes routed ones (greedy), exactly by the generator's rule:
+proposed = edge greedy token, score = router.score(hidden, logits, proposed),
+hard = RoutingPolicy.decide(score), token = cloud greedy token if hard. Both
+models run in-process (no server), all configurations of a batch of prompts
+stepped together (pair.py); the cloud's logits at every position also give
+the primary measure for free:
+
+    cloud_nll        the cloud model's mean negative log-likelihood per token of
+                     the routed answer (token-weighted over all prompts; lower = the
+                     large model agrees more with what was said)
+    rouge_l          ROUGE-L F1 (words) against the cloud-only answer
+    token_agreement  share of positions equal to the cloud-only answer
+
+Methods: learned (thresholds from the router file's calibration table),
+entropy (thresholds calibrated on the same validation positions), random
+(threshold 1 - f on uniform scores), edge-only and cloud-only. Fractions 0 and
+1 of each method are the edge-only and cloud-only runs. The x axis is the
+*achieved* cloud fraction, which differs from the target because thresholds
+are calibrated on the cloud's path and applied on the routed one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from edge_client.generator import DEFAULT_SYSTEM_PROMPT
+from models.registry import model_info
+from models.train.label import chat
+from models.train.pair import PairStepper, log_softmax_row
+from models.train.textmetrics import rouge_l_f1, token_agreement
+from shared.learned_router import LearnedRouter, RouterFile
+from shared.policy import PolicyConfig, RoutingPolicy
+from shared.router import HeuristicRouter, RandomRouter
+
+METHODS = ("learned", "entropy", "random")
+DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+@dataclass(slots=True)
+class EvalOptions:
+    router_path: Path
+    edge_model: str
+    cloud_model: str
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    max_tokens: int = 48
+    prompts_per_batch: int = 2
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    threads: int | None = 1  # one llama.cpp thread: a second one's barriers collapse throughput on a shared machine
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class _Run:
+    method: str
+    target: float
+    prompt: int
+    policy: RoutingPolicy | None  # None: edge-only / cloud-only
+    router: Any = None
+    cloud_only: bool = False
+    tokens: list[int] = field(default_factory=list)
+    routed: int = 0
+    nll: float = 0.0
+    done: bool = False
+
+
+def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: int) -> list[_Run]:
+    runs = [_Run("edge-only", 0.0, prompt, None), _Run("cloud-only", 1.0, prompt, None, cloud_only=True)]
+    learned = LearnedRouter(router_file)
+    entropy = HeuristicRouter("entropy", n_vocab)
+    ent_table = router_file.meta["entropy_calibration"]
+    for f in opts.fractions:
+        if f <= 0 or f >= 1:
+            continue
+        thresholds = {
+            "learned": learned.threshold_for_fraction(f),
+            "entropy": float(np.interp(f, [r["cloud_fraction"] for r in ent_table], [r["threshold"] for r in ent_table])),
+            "random": 1.0 - f,
+        }
+        routers = {"learned": learned, "entropy": entropy, "random": RandomRouter(seed=opts.seed * 100003 + prompt * 101 + int(f * 100))}
+        for m in METHODS:
+            runs.append(_Run(m, f, prompt, RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0))), routers[m]))
+    return runs
+
+
+def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    from shared.llama_backend import LlamaModel
+
+    t0 = time.perf_counter()
+    rf = RouterFile.load(opts.router_path)
+    edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
+    if edge_info.fingerprint != rf.meta["edge_fingerprint"]:
+        raise ValueError(f"{opts.router_path} was trained for edge model {rf.meta['edge_model']}, not {edge_info.name}; evaluate it with its own models")
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
+    tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
+    per = opts.prompts_per_batch
+    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab))
+    longest = max(len(t) for t in tokens)
+    stepper = PairStepper(edge, cloud, n_seq=per * n_cfg, n_ctx=per * (longest + n_cfg * (opts.max_tokens + 2)) + 64, threads=opts.threads)
+    runs: list[_Run] = []
+    try:
+        for start in range(0, len(prompts), per):
+            batch = [_runs_for(k, rf, opts, edge.n_vocab) for k in range(start, min(start + per, len(prompts)))]
+            _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens)
+            runs += [r for b in batch for r in b]
+            if on_progress is not None:
+                on_progress(len(batch))
+        texts = [edge.detokenize(r.tokens) for r in runs]  # while the model (its vocabulary) is alive
+    finally:
+        stepper.close()
+        edge.close()
+        cloud.close()
+    result = summarise(runs, texts, opts)
+    result["n_prompts"] = len(prompts)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["router"] = str(opts.router_path)
+    result["edge_model"], result["cloud_model"] = edge_info.name, cloud_info.name
+    return result
+
+
+def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[int]], max_tokens: int) -> None:
+    """Routed greedy decoding of every run. Runs whose histories are equal share one llama
+    sequence; when their next tokens differ the sequence is forked (KV cells shared), so
+    e.g. edge-only and a 10% router run cost one sequence until the router first routes."""
+    stepper.start([(p, [i]) for i, p in enumerate(prompts)])
+    free = list(range(stepper.n_seq - 1, len(prompts) - 1, -1))
+    seq_of: dict[int, int] = {}
+    runs = [r for b in batch for r in b]
+    for i, b in enumerate(batch):
+        for r in b:
+            seq_of[id(r)] = i
+            if r.policy is not None:
+                r.policy.start_answer()
+    active = list(runs)
+    for _ in range(max_tokens):
+        views = {v.seq: v for v in stepper.views()}
+        cache: dict[tuple[int, int], Any] = {}  # per-step values shared by runs on one sequence
+        moves: dict[int, dict[int, list[_Run]]] = {}  # seq -> token -> runs
+        for run in active:
+            seq = seq_of[id(run)]
+            v = views[seq]
+            if (0, seq) not in cache:
+                cache[(0, seq)] = (int(np.argmax(v.cloud_logits)), int(np.argmax(v.edge_logits)), log_softmax_row(v.cloud_logits)[1])
+            cloud_tok, proposed, lse = cache[(0, seq)]
+            hard = run.cloud_only
+            if run.policy is not None:
+                key = (id(run.router), seq)
+                if isinstance(run.router, RandomRouter) or key not in cache:
+                    cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
+                hard = run.policy.decide(cache[key])
+            tok = cloud_tok if hard else proposed  # greedy, as the generator's Sampler at temperature 0
+            run.nll += lse - float(v.cloud_logits[tok])
+            run.routed += int(hard)
+            run.tokens.append(tok)
+            if stepper.edge.is_eog(tok):
+                run.done = True
+            else:
+                moves.setdefault(seq, {}).setdefault(tok, []).append(run)
+        advance: dict[int, int] = {}
+        for seq in views:
+            if seq not in moves:
+                stepper.release(seq)
+                free.append(seq)
+        for seq, by_tok in moves.items():
+            for k, (tok, group) in enumerate(by_tok.items()):
+                target = seq
+                if k > 0:
+                    target = free.pop()
+                    stepper.fork(seq, target)
+                    for r in group:
+                        seq_of[id(r)] = target
+                advance[target] = tok
+        active = [r for r in active if not r.done]
+        if not advance:
+            break
+        stepper.advance(advance)
+    for seq in list(stepper.length):
+        stepper.release(seq)
+
+
+def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str, Any]:
+    by_prompt_cloud = {r.prompt: (r, t) for r, t in zip(runs, texts) if r.method == "cloud-only"}
+    groups: dict[tuple[str, float], list[tuple[_Run, str]]] = {}
+    for r, t in zip(runs, texts):
+        groups.setdefault((r.method, r.target), []).append((r, t))
+
+    def point(items: list[tuple[_Run, str]], target: float) -> dict[str, float]:
+        n = sum(len(r.tokens) for r, _ in items)
+        return {
+            "target_fraction": target,
+            "cloud_fraction": round(sum(r.routed for r, _ in items) / max(n, 1), 4),
+            "cloud_nll": round(sum(r.nll for r, _ in items) / max(n, 1), 4),
+            "rouge_l": round(float(np.mean([rouge_l_f1(t, by_prompt_cloud[r.prompt][1]) for r, t in items])), 4),
+            "token_agreement": round(float(np.mean([token_agreement(r.tokens, by_prompt_cloud[r.prompt][0].tokens) for r, t in items])), 4),
+            "n_tokens": n,
+        }
+
+    edge_pt, cloud_pt = point(groups[("edge-only", 0.0)], 0.0), point(groups[("cloud-only", 1.0)], 1.0)
+    methods: dict[str, list[dict[str, float]]] = {"edge-only": [edge_pt], "cloud-only": [cloud_pt]}
+    for m in METHODS:
+        pts = [dict(edge_pt, target_fraction=0.0)]
+        pts += [point(groups[(m, f)], f) for f in opts.fractions if 0 < f < 1]
+        pts.append(dict(cloud_pt, target_fraction=1.0))
+        methods[m] = pts
+    gap = {m: round(gap_recovered(methods[m], edge_pt["cloud_nll"], cloud_pt["cloud_nll"], 0.3), 4) for m in METHODS}
+    nll_at = {m: {f"{int(f * 100)}%": round(interp_nll(methods[m], f), 4) for f in (0.1, 0.2, 0.3, 0.4, 0.5)} for m in METHODS}
+    beats = all(nll_at["learned"][k] < nll_at["entropy"][k] for k in nll_at["learned"])
+    return {"methods": methods, "gap_recovered_at_30": gap, "cloud_nll_at": nll_at, "learned_beats_entropy_10_to_50": beats}
+
+
+def interp_nll(points: list[dict[str, float]], fraction: float) -> float:
+    pts = sorted(points, key=lambda p: p["cloud_fraction"])
+    return float(np.interp(fraction, [p["cloud_fraction"] for p in pts], [p["cloud_nll"] for p in pts]))
+
+
+def gap_recovered(points: list[dict[str, float]], edge_nll: float, cloud_nll: float, fraction: float) -> float:
+    """Share of the edge-only -> cloud-only cloud-NLL gap recovered at `fraction` (interpolated)."""
+    gap = edge_nll - cloud_nll
+    if gap <= 0:
+        return float("nan")
+    return (edge_nll - interp_nll(points, fraction)) / gap
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, title in zip(axes, ("cloud_nll", "rouge_l", "token_agreement"), ("cloud NLL / token (lower is better)", "ROUGE-L F1 vs cloud-only", "token agreement vs cloud-only")):
+        for m, style in (("learned", "o-"), ("entropy", "s--"), ("random", "^:")):
+            pts = sorted(result["methods"][m], key=lambda p: p["cloud_fraction"])
+            ax.plot([100 * p["cloud_fraction"] for p in pts], [p[key] for p in pts], style, label=m)
+        for m, color in (("edge-only", "grey"), ("cloud-only", "black")):
+            ax.axhline(result["methods"][m][0][key], color=color, linewidth=0.8, linestyle="-.", label=m)
+        ax.set_xlabel("cloud tokens (%)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{result.get('split', 'prompts')}: {result.get('n_prompts')} prompts, {result.get('edge_model')} + {result.get('cloud_model')}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))

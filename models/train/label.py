@@ -1,0 +1,186 @@
+"""`tokenrouter-train label`: run both models over prompts and write labelled shards.
+
+The cloud writes the reference answer greedily; the edge reads it (teacher
+forcing). Both models step together over a batch of prompts (see pair.py). At
+every answer position we record the edge's hidden state, logit features and
+proposed (greedy) token, the cloud's token, and labels:
+
+    mismatch   edge argmax != cloud token
+    regret     cloud log p(cloud token) - cloud log p(edge token), in nats
+    divergent  a mismatch that materially changes the answer:
+               regret > REGRET_NATS (the cloud finds the edge's token at least
+               ~20x less likely than its own), or exactly one of the two tokens
+               ends the answer, or the cloud, continuing greedily for WINDOW
+               tokens after the edge's token, re-uses less than half of its own
+               reference continuation (LCS of the two windows / reference
+               length < RECONVERGE).
+
+The rollouts (one short greedy continuation per mismatch whose regret alone
+does not decide) are batched across mismatches; they cost about WINDOW cloud
+tokens per mismatch, i.e. roughly 2-3x the cost of the reference answers.
+Labelling CLINC150 at 48 answer tokens runs at ~1-3 s per prompt on 2 cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edge_client.generator import DEFAULT_SYSTEM_PROMPT
+from models.registry import model_info
+from models.train.pair import PairStepper
+from models.train.shards import make_records, write_shard
+from models.train.textmetrics import lcs_len
+from shared.learned_router import LogitFeaturizer
+from shared.llama_backend import LlamaModel
+
+log = logging.getLogger(__name__)
+
+REGRET_NATS = 3.0
+WINDOW = 8
+RECONVERGE = 0.5
+
+
+@dataclass(slots=True)
+class LabelOptions:
+    edge_model: str
+    cloud_model: str
+    out_dir: Path
+    max_tokens: int = 48
+    prompts_per_shard: int = 8  # also the batch: prompts stepped together
+    window: int = WINDOW
+    regret_nats: float = REGRET_NATS
+    reconverge: float = RECONVERGE
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    threads: int | None = 1  # one llama.cpp thread: a second one's barriers collapse throughput on a shared machine
+    progress: bool = True
+
+
+def chat(model: LlamaModel, system: str, prompt: str) -> list[int]:
+    return model.chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
+
+
+def is_divergent(edge_tok: int, cloud_tok: int, regret: float, alt: list[int], ref: list[int], is_eog: Callable[[int], bool], opts: LabelOptions) -> bool:
+    """The divergence rule (see the module docstring)."""
+    if edge_tok == cloud_tok:
+        return False
+    if regret > opts.regret_nats or is_eog(edge_tok) != is_eog(cloud_tok):
+        return True
+    if not ref:
+        return False
+    return lcs_len(alt, ref) / len(ref) < opts.reconverge
+
+
+def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
+    """Label `prompts` into shards of `prompts_per_shard` prompts; existing shards are kept (resume)."""
+    edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
+    if edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint:
+        raise ValueError("the edge and cloud models have different tokenizers; token routing needs one vocabulary")
+    edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
+    per = opts.prompts_per_shard
+    n_shards = (len(prompts) + per - 1) // per
+    paths = [opts.out_dir / f"shard-{i:05d}.npz" for i in range(n_shards)]
+    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    meta = {
+        "source": "label",
+        "edge_model": edge_info.name,
+        "cloud_model": cloud_info.name,
+        "edge_fingerprint": edge_info.fingerprint,
+        "cloud_fingerprint": cloud_info.fingerprint,
+        "n_embd": edge.n_embd,
+        "n_vocab": edge.n_vocab,
+        "max_tokens": opts.max_tokens,
+        "label_rule": {"regret_nats": opts.regret_nats, "window": opts.window, "reconverge": opts.reconverge},
+        "system_prompt": opts.system_prompt,
+    }
+    tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
+    longest = max((len(t) for t in tokens), default=1)
+    bar = _progress(len(todo) * per, opts.progress)
+    n_ctx = per * (longest + opts.max_tokens + 2) + 64 * (opts.window + 4)
+    stepper = PairStepper(edge, cloud, n_seq=per, n_ctx=n_ctx, threads=opts.threads, extra_cloud_seqs=64)
+    try:
+        for i in todo:
+            chunk = prompts[i * per : (i + 1) * per]
+            t0 = time.perf_counter()
+            rows = _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts)
+            write_shard(paths[i], make_records(rows, dict(meta, prompts=chunk, first_prompt_id=i * per)))
+            log.debug("shard %d: %d positions in %.1fs", i, len(rows["proposed"]), time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+        stepper.close()
+        edge.close()
+        cloud.close()
+    return paths
+
+
+def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, opts: LabelOptions) -> dict[str, list]:
+    featurize = LogitFeaturizer(stepper.edge.n_vocab)
+    stepper.start([(p, [k]) for k, p in enumerate(prompts)])
+    rows: dict[str, list] = {k: [] for k in ("hidden", "logit_feats", "proposed", "cloud_token", "position", "prompt_id", "mismatch", "divergent", "regret")}
+    answers: list[list[int]] = [[] for _ in prompts]
+    where: list[list[int]] = [[] for _ in prompts]  # row index of each answer position
+    for step in range(opts.max_tokens):
+        chosen: dict[int, int] = {}
+        for v in stepper.views():
+            e = int(np.argmax(v.edge_logits))
+            c = int(np.argmax(v.cloud_logits))
+            regret = float(v.cloud_logits[c] - v.cloud_logits[e])  # log p(c) - log p(e): the normaliser cancels
+            where[v.seq].append(len(rows["proposed"]))
+            rows["hidden"].append(np.array(v.edge_hidden, dtype=np.float16))
+            rows["logit_feats"].append(featurize(v.edge_logits, e).copy())
+            rows["proposed"].append(e)
+            rows["cloud_token"].append(c)
+            rows["position"].append(step)
+            rows["prompt_id"].append(first_id + v.seq)
+            rows["mismatch"].append(int(e != c))
+            rows["divergent"].append(0)
+            rows["regret"].append(regret)
+            answers[v.seq].append(c)
+            if not stepper.cloud.is_eog(c):
+                chosen[v.seq] = c
+        if not chosen:
+            break
+        stepper.advance(chosen)
+    _label_divergence(stepper, prompts, answers, where, rows, opts)
+    return rows
+
+
+def _label_divergence(stepper: PairStepper, prompts: list[list[int]], answers: list[list[int]], where: list[list[int]], rows: dict[str, list], opts: LabelOptions) -> None:
+    is_eog = stepper.cloud.is_eog
+    pending: list[tuple[int, int, int]] = []  # (row, source seq, position in answer)
+    for seq, answer in enumerate(answers):
+        for j, r in enumerate(where[seq]):
+            e, c, regret = rows["proposed"][r], rows["cloud_token"][r], rows["regret"][r]
+            if e == c:
+                continue
+            ref = answer[j + 1 : j + 1 + opts.window]
+            if regret > opts.regret_nats or is_eog(e) != is_eog(c) or not ref:  # decided without a rollout
+                rows["divergent"][r] = int(is_divergent(e, c, regret, [], ref, is_eog, opts))
+            else:
+                pending.append((r, seq, j))
+    per_batch = stepper.cctx.n_seq - stepper.n_seq
+    for start in range(0, len(pending), per_batch):
+        group = pending[start : start + per_batch]
+        starts = [(seq, len(prompts[seq]) + j, rows["proposed"][r]) for r, seq, j in group]
+        alts = stepper.cloud_rollouts(starts, opts.window, first_seq=stepper.n_seq)
+        for (r, seq, j), alt in zip(group, alts):
+            ref = answers[seq][j + 1 : j + 1 + opts.window]
+            rows["divergent"][r] = int(is_divergent(rows["proposed"][r], rows["cloud_token"][r], rows["regret"][r], alt, ref, is_eog, opts))
+
+
+def _progress(total: int, enabled: bool):  # type: ignore[no-untyped-def]
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="prompt", desc="label")

@@ -1,0 +1,129 @@
+"""Training shards: compact, self-describing `.npz` files of per-position records.
+
+One shard holds N positions:
+
+    hidden       float16 [N, n_embd]   edge model's final hidden state
+    logit_feats  float32 [N, F]        LOGIT_FEATURES (NaN where unknown, e.g. live traffic)
+    proposed     int32   [N]           edge token
+    cloud_token  int32   [N]           cloud token (the reference)
+    position     int32   [N]           position within the answer (live: within the session's history)
+    prompt_id    int32   [N]           index of the prompt in its labelling run (-1: live)
+    mismatch     int8    [N]           proposed != cloud_token
+    divergent    int8    [N]           1/0, or -1 when not labelled (live traffic)
+    regret       float32 [N]           cloud log p(cloud token) - log p(edge token), NaN if unknown
+    meta         JSON string           edge/cloud fingerprints, source, label rule
+
+Both `tokenrouter-train label` and the cloud's flywheel write this format, so
+`fit` reads either. Writes are atomic (temp file, then rename): a shard that
+exists is complete, which is what makes labelling resumable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.learned_router import N_LOGIT_FEATURES
+
+COLUMNS = ("hidden", "logit_feats", "proposed", "cloud_token", "position", "prompt_id", "mismatch", "divergent", "regret")
+_DTYPES = {
+    "hidden": np.float16,
+    "logit_feats": np.float32,
+    "proposed": np.int32,
+    "cloud_token": np.int32,
+    "position": np.int32,
+    "prompt_id": np.int32,
+    "mismatch": np.int8,
+    "divergent": np.int8,
+    "regret": np.float32,
+}
+
+
+class ShardError(ValueError):
+    """Shards that cannot be read or do not belong together."""
+
+
+@dataclass(slots=True)
+class Records:
+    """Columns of many positions (one shard, or several concatenated)."""
+
+    columns: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.columns["proposed"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def subset(self, mask: np.ndarray) -> "Records":
+        return Records({k: v[mask] for k, v in self.columns.items()}, dict(self.meta))
+
+    @classmethod
+    def empty(cls, n_embd: int, meta: dict[str, Any] | None = None) -> "Records":
+        cols = {k: np.zeros((0,), dtype=_DTYPES[k]) for k in COLUMNS}
+        cols["hidden"] = np.zeros((0, n_embd), dtype=np.float16)
+        cols["logit_feats"] = np.zeros((0, N_LOGIT_FEATURES), dtype=np.float32)
+        return cls(cols, meta or {})
+
+
+def make_records(rows: dict[str, list | np.ndarray], meta: dict[str, Any]) -> Records:
+    """Columns from lists, cast to the shard dtypes and checked for equal length."""
+    cols = {k: np.asarray(rows[k], dtype=_DTYPES[k]) for k in COLUMNS}
+    n = len(cols["proposed"])
+    bad = [k for k, v in cols.items() if len(v) != n]
+    if bad:
+        raise ShardError(f"columns {bad} do not have {n} rows")
+    return Records(cols, meta)
+
+
+def write_shard(path: Path, records: Records) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, meta=np.array(json.dumps(records.meta)), **records.columns)
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> Records:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            cols = {k: z[k] for k in COLUMNS}
+    except (OSError, KeyError, ValueError) as exc:
+        raise ShardError(f"{path} is not a training shard ({exc})") from None
+    return Records(cols, meta)
+
+
+def shard_paths(sources: list[str | Path]) -> list[Path]:
+    """Shard files from files and directories (directories: every *.npz inside, sorted)."""
+    out: list[Path] = []
+    for src in sources:
+        p = Path(src)
+        if p.is_dir():
+            out += sorted(q for q in p.glob("*.npz") if not q.name.endswith(".tmp.npz"))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise ShardError(f"no shard file or directory at {p}")
+    if not out:
+        raise ShardError(f"no shards found in {', '.join(map(str, sources))}; run `tokenrouter-train label` first")
+    return out
+
+
+def load_records(sources: list[str | Path]) -> Records:
+    """All shards from `sources`, concatenated; they must share the edge and cloud models."""
+    parts = [read_shard(p) for p in shard_paths(sources)]
+    first = parts[0].meta
+    for p, r in zip(shard_paths(sources), parts):
+        for key in ("edge_fingerprint", "cloud_fingerprint"):
+            if r.meta.get(key) != first.get(key):
+                raise ShardError(f"{p} has {key} {r.meta.get(key)}, but other shards have {first.get(key)}: train one router per model pair")
+    cols = {k: np.concatenate([r.columns[k] for r in parts]) for k in COLUMNS}
+    meta = dict(first)
+    meta["sources"] = sorted({r.meta.get("source", "?") for r in parts})
+    return Records(cols, meta)

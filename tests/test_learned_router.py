@@ -1,0 +1,105 @@
+"""The learned router on the device: model binding, fallback, drift, generator wiring, flywheel.
+
+Uses the shipped router for the default pair (models/routers/) and the real
+edge model; the flywheel test runs the real cloud server on loopback with
+--record-dir and a real WebSocket, then fits on what it recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from cloud_server.local import LocalCloudServer
+from edge_client.generator import GeneratorOptions, build_router, open_generator
+from models.registry import DEFAULT_CLOUD_MODEL
+from models.train.cli import DEFAULT_ROUTER
+from models.train.fit import FitOptions, fit
+from models.train.shards import load_records
+from shared.learned_router import DriftMonitor, LearnedRouter, RouterFileError, RouterMismatchError, load_router
+from shared.router import HeuristicRouter
+
+from tests.conftest import chat
+
+pytestmark = pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router; run `python -m models.train.cli reproduce`")
+
+
+def test_shipped_router_is_small_and_bound_to_the_default_pair(edge_info, cloud_info):
+    assert DEFAULT_ROUTER.stat().st_size < 2_000_000
+    router = load_router(DEFAULT_ROUTER, edge_info)
+    assert isinstance(router, LearnedRouter)
+    assert router.edge_fingerprint == edge_info.fingerprint
+    assert router.cloud_fingerprint == cloud_info.fingerprint
+
+
+def test_fingerprint_mismatch_is_refused_or_falls_back(cloud_info, caplog):
+    # the cloud model stands in for "a different edge model": same tokenizer, other weights
+    with pytest.raises(RouterMismatchError, match="retrain"):
+        load_router(DEFAULT_ROUTER, cloud_info)
+    with caplog.at_level(logging.WARNING):
+        fallback = load_router(DEFAULT_ROUTER, cloud_info, on_mismatch="heuristic")
+    assert isinstance(fallback, HeuristicRouter) and fallback.kind == "entropy"
+    assert "falling back" in caplog.text
+    assert isinstance(build_router(str(DEFAULT_ROUTER), 49152, cloud_info, "heuristic"), HeuristicRouter)
+    with pytest.raises(RouterMismatchError):
+        build_router(str(DEFAULT_ROUTER), 49152, cloud_info)
+    with pytest.raises(ValueError, match="router_on_mismatch"):
+        load_router(DEFAULT_ROUTER, cloud_info, on_mismatch="ignore")
+
+
+def test_bad_router_files_get_clear_errors(tmp_path, edge_info):
+    with pytest.raises(RouterFileError, match="does not exist"):
+        load_router(tmp_path / "missing.npz", edge_info)
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(RouterFileError, match="not a TokenRouter router file"):
+        load_router(bad, edge_info)
+
+
+def test_drift_monitor_psi():
+    ref = np.array([10, 30, 40, 20], dtype=float)
+    same, shifted = DriftMonitor(ref, min_count=10), DriftMonitor(ref, min_count=10)
+    rng = np.random.default_rng(0)
+    for s in rng.choice([0.1, 0.3, 0.6, 0.9], size=2000, p=ref / ref.sum()):
+        same.observe(float(s))
+    for _ in range(2000):
+        shifted.observe(0.95)
+    assert same.psi() < 0.02 and same.report()["status"] == "stable"
+    assert shifted.psi() > 1.0 and shifted.report()["status"] == "drift"
+    assert DriftMonitor(ref).report()["status"] == "insufficient"
+
+
+def test_generator_uses_the_learned_router_and_reports_drift():
+    opts = GeneratorOptions(cloud="none", policy="router", cloud_fraction=0.3, router=str(DEFAULT_ROUTER), max_tokens=8)
+    with open_generator(opts) as gen:
+        assert isinstance(gen.router, LearnedRouter)
+        answer = gen.generate(chat("what is the capital of france"), max_tokens=8)
+    assert answer.drift is not None and answer.drift["n_scores"] == answer.n_tokens
+    assert {"psi", "status", "router"} <= set(answer.drift)
+    assert all(s is not None and 0.0 <= s <= 1.0 for s in answer.scores)
+
+
+def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info, cloud_info):
+    record = tmp_path / "live"
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]) as server:
+        opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, policy="router", cloud_fraction=None, threshold=0.0, max_tokens=10)
+        with open_generator(opts) as gen:
+            answer = gen.generate(chat("set a timer for ten minutes"), max_tokens=10)
+            answer2 = gen.generate(chat("what is the capital of france"), max_tokens=10)
+    n_cloud = answer.n_cloud_tokens + answer2.n_cloud_tokens
+    assert n_cloud > 0
+    rec = load_records([record])
+    assert len(rec) == n_cloud, "one live row per hard token"
+    assert rec.meta["sources"] == ["flywheel"]
+    assert rec.meta["edge_fingerprint"] == edge_info.fingerprint and rec.meta["cloud_fingerprint"] == cloud_info.fingerprint
+    assert rec["hidden"].shape == (n_cloud, 576) and np.isnan(rec["logit_feats"]).all() and (rec["divergent"] == -1).all()
+    cloud_tokens = [t for a in (answer, answer2) for t, r in zip(a.tokens, a.routes) if r == "cloud"]
+    assert sorted(rec["cloud_token"].tolist()) == sorted(cloud_tokens)
+    assert np.array_equal(rec["mismatch"].astype(bool), rec["proposed"] != rec["cloud_token"])
+    # fit accepts live shards (here on their own: too few rows to hold any out)
+    if 0 < rec["mismatch"].sum() < len(rec):
+        report = fit(FitOptions(train=[str(record)], val=[str(record)], out=tmp_path / "live.npz", label="mismatch", epochs=2, hidden_units=8, buckets=16))
+        assert load_router(tmp_path / "live.npz", edge_info).meta["edge_fingerprint"] == edge_info.fingerprint
+        assert report["data"]["sources"] == ["flywheel"]

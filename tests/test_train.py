@@ -1,0 +1,175 @@
+"""`tokenrouter-train` end to end on a tiny prompt set, with the real bundled models.
+
+label -> shards -> fit (torch) -> a router file the device loads and scores with
+numpy; the divergence rule; the calibration table; the eval's output object;
+the shipped router's recorded figures against a re-labelling of its check prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_client.decoder import EdgeDecoder
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
+from models.train.cli import DEFAULT_ROUTER, main as train_main
+from models.train.features import entropy_scores, targets
+from models.train.fit import FitOptions, fit
+from models.train.label import LabelOptions, is_divergent, label
+from models.train.shards import ShardError, load_records
+from shared.learned_router import LearnedRouter, LogitFeaturizer, RouterFile, load_router
+from shared.llama_backend import LlamaModel
+from shared.router import HeuristicRouter
+
+from tests.conftest import SYSTEM
+
+PROMPTS = ["what is the capital of france", "set a timer for ten minutes", "how do you say hello in japanese", "tell me a joke"]
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("labels")
+    label(PROMPTS, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, out, max_tokens=14, prompts_per_shard=2, threads=1, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def router_file(labelled, tmp_path_factory):
+    out = tmp_path_factory.mktemp("router") / "tiny.npz"
+    report = fit(FitOptions(train=[str(labelled)], out=out, label="mismatch", epochs=4, patience=4, hidden_units=16, buckets=64))
+    return out, report
+
+
+def test_label_writes_consistent_resumable_shards(labelled):
+    rec = load_records([labelled])
+    assert len(list(labelled.glob("*.npz"))) == 2
+    assert rec["hidden"].shape == (len(rec), 576) and rec["hidden"].dtype == np.float16
+    assert np.array_equal(rec["mismatch"].astype(bool), rec["proposed"] != rec["cloud_token"])
+    assert not np.any(rec["divergent"].astype(bool) & ~rec["mismatch"].astype(bool)), "divergent positions must be mismatches"
+    assert np.all(rec["regret"][rec["mismatch"] == 1] >= 0), "the cloud token is its argmax, so regret >= 0"
+    assert 0 < rec["mismatch"].mean() < 1
+    assert sorted(set(rec["prompt_id"].tolist())) == [0, 1, 2, 3]
+    # resumable: a second run keeps finished shards untouched
+    mtimes = {p: p.stat().st_mtime_ns for p in labelled.glob("*.npz")}
+    label(PROMPTS, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, labelled, max_tokens=14, prompts_per_shard=2, progress=False))
+    assert mtimes == {p: p.stat().st_mtime_ns for p in labelled.glob("*.npz")}
+
+
+def test_divergence_rule():
+    eog = lambda t: t == 2  # noqa: E731
+    from models.train.label import LabelOptions as LO
+
+    o = LO("e", "c", Path("."), regret_nats=3.0, reconverge=0.5)
+    assert not is_divergent(5, 5, 0.0, [], [1, 2], eog, o), "agreement is never divergent"
+    assert is_divergent(5, 6, 3.5, [7, 8], [7, 8], eog, o), "a token the cloud finds very unlikely is divergent"
+    assert is_divergent(2, 6, 0.1, [], [7], eog, o), "stopping where the cloud goes on is divergent"
+    assert not is_divergent(5, 6, 0.5, [9, 7, 8, 10], [7, 8, 10, 11], eog, o), "re-converging continuations are not"
+    assert is_divergent(5, 6, 0.5, [20, 21, 22, 23], [7, 8, 10, 11], eog, o)
+
+
+def test_fit_router_loads_and_scores_on_device(router_file, edge_info):
+    path, report = router_file
+    router = load_router(path, edge_info)
+    assert isinstance(router, LearnedRouter)
+    assert report["size_bytes"] < 2_000_000
+    assert router.meta["edge_fingerprint"] == edge_info.fingerprint
+    model = LlamaModel(edge_info)
+    dec = EdgeDecoder(model, n_ctx=256, threads=1)
+    try:
+        dec.set_history(model.chat_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]))
+        scores, rows = [], []
+        for _ in range(5):
+            logits, hidden = dec.next_distribution()
+            tok = int(np.argmax(logits))
+            scores.append(router.score(hidden, logits, tok))
+            rows.append((hidden.copy(), LogitFeaturizer(model.n_vocab)(logits, tok).copy(), tok))
+            dec.append(tok)
+    finally:
+        dec.close()
+        model.close()
+    assert all(0.0 <= s <= 1.0 for s in scores)
+    batch = router.score_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), np.array([r[2] for r in rows]))
+    np.testing.assert_allclose(batch, scores, atol=1e-5)
+    assert router.drift_report()["n_scores"] == 5
+
+
+def test_calibration_table_is_monotonic(router_file):
+    rf = RouterFile.load(router_file[0])
+    for key in ("calibration", "entropy_calibration"):
+        table = rf.meta[key]
+        fr = [r["cloud_fraction"] for r in table]
+        th = [r["threshold"] for r in table]
+        assert fr == sorted(fr) and fr[0] == 0.0 and fr[-1] == 1.0
+        assert all(a >= b for a, b in zip(th, th[1:])), f"{key} thresholds must not rise with the cloud fraction"
+        routed = [r["routed"] for r in table]
+        assert all(a <= b + 1e-9 for a, b in zip(routed, routed[1:]))
+    router = LearnedRouter(rf)
+    assert router.threshold_for_fraction(0.3) >= router.threshold_for_fraction(0.5)
+
+
+def test_entropy_scores_match_the_heuristic():
+    """fit calibrates the entropy baseline from stored features: it must be the heuristic's own score."""
+    rng = np.random.default_rng(0)
+    feat, heur = LogitFeaturizer(49152), HeuristicRouter("entropy", 49152)
+    rows, expect = [], []
+    for scale in (0.5, 3.0, 8.0):
+        lg = (rng.standard_normal(49152) * scale).astype(np.float32)
+        rows.append(feat(lg, 0).copy())
+        expect.append(heur.score(None, lg, 0))  # type: ignore[arg-type]
+
+    class R:
+        columns = {"logit_feats": np.stack(rows)}
+        meta = {"n_vocab": 49152}
+
+        def __getitem__(self, k):
+            return self.columns[k]
+
+    np.testing.assert_allclose(entropy_scores(R()), expect, atol=1e-4)  # type: ignore[arg-type]
+
+
+def test_fit_refuses_bad_input(labelled, tmp_path):
+    with pytest.raises(ShardError, match="no shard"):
+        fit(FitOptions(train=[str(tmp_path / "nothing")], out=tmp_path / "r.npz"))
+    with pytest.raises(ValueError, match="unknown label"):
+        fit(FitOptions(train=[str(labelled)], out=tmp_path / "r.npz", label="bogus"))
+    rec = load_records([labelled])
+    assert targets(rec, "mismatch").mean() >= targets(rec, "divergent").mean()
+
+
+def test_eval_json_object(router_file, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("what is the capital of france\n")
+    train_main(["eval", "--router", str(router_file[0]), "--prompts", str(prompts), "--max-tokens", "6", "--threads", "1", "--out", str(tmp_path / "ev"), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["methods"]) == {"learned", "entropy", "random", "edge-only", "cloud-only"}
+    for m in ("learned", "entropy", "random"):
+        pts = result["methods"][m]
+        assert len(pts) == 11 and pts[0]["cloud_fraction"] == 0.0 and pts[-1]["cloud_fraction"] == 1.0
+        assert set(pts[0]) >= {"cloud_fraction", "cloud_nll", "rouge_l", "token_agreement"}
+    cloud = result["methods"]["cloud-only"][0]
+    assert cloud["rouge_l"] == 1.0 and cloud["token_agreement"] == 1.0
+    assert cloud["cloud_nll"] <= result["methods"]["edge-only"][0]["cloud_nll"], "greedy cloud tokens are the cloud's likeliest"
+    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random"}
+    assert (tmp_path / "ev.json").is_file() and (tmp_path / "ev.png").stat().st_size > 1000
+
+
+@pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")
+def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
+    """Re-label the shipped router's check prompts and score them: the recorded figures must hold."""
+    router = load_router(DEFAULT_ROUTER, edge_info)
+    check = router.meta["check"]
+    prompts = [c["prompt"] for c in check["prompts"]]
+    label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path, max_tokens=check["max_tokens"], prompts_per_shard=len(prompts), threads=1, progress=False))
+    rec = load_records([tmp_path])
+    scores = router.score_batch(rec["hidden"], rec["logit_feats"], rec["proposed"])
+    for k, c in enumerate(check["prompts"]):
+        sel = rec["prompt_id"] == k
+        assert int(sel.sum()) == c["n_positions"]
+        assert abs(int(rec["mismatch"][sel].sum()) - c["n_mismatch"]) <= 1
+        assert abs(float(scores[sel].mean()) - c["mean_score"]) < 0.02
+    m = router.meta["metrics"]
+    assert m["auc_divergent"] > m["entropy_auc_divergent"], "the shipped router must rank divergent tokens better than entropy"
