@@ -74,7 +74,8 @@ class LinkStats:
     bytes_up: int = 0
     bytes_down: int = 0
     round_trips: int = 0
-    cloud_compute_ms: float = 0.0
+    cloud_compute_ms: float = 0.0  # all cloud model time for this link, background prefill included
+    background_ms: float = 0.0  # the part of it done after a sync, while the device was not waiting
     rtt_ms: list[float] = field(default_factory=list)
 
 
@@ -219,7 +220,8 @@ class CloudLink:
             if reply.position != self.cloud_len:
                 self.close_quietly()
                 raise CloudUnavailable(f"cloud tokens at position {reply.position}, expected {self.cloud_len}")
-            self.stats.cloud_compute_ms += reply.compute_ms
+            self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
+            self.stats.background_ms += reply.prefill_ms
             for token, logprob in zip(reply.ids, reply.logprobs):
                 tok = CloudToken(token, logprob, eog=reply.eog and token == reply.ids[-1])
                 out.append(tok)
@@ -260,7 +262,8 @@ class CloudLink:
             self.close_quietly()
             raise CloudUnavailable(f"verdict for position {reply.position} accepting {reply.accepted} does not match the verify")
         self.cloud_len = position + reply.accepted + (1 if reply.token >= 0 else 0)
-        self.stats.cloud_compute_ms += reply.compute_ms
+        self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
+        self.stats.background_ms += reply.prefill_ms
         self.stats.round_trips += 1
         self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
         return reply

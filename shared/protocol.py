@@ -142,6 +142,7 @@ class Tokens:
     compute_ms: float  # cloud model time spent on this message's tokens (prefill + decode)
     final: bool = True
     eog: bool = False  # the last id ends the generation
+    prefill_ms: float = 0.0  # background prefill (after sync) since the previous reply: cost, but not waited for
 
 
 @dataclass(slots=True)
@@ -176,6 +177,7 @@ class Verdict:
     logprob: float
     compute_ms: float
     eog: bool = False  # `token` ends the generation
+    prefill_ms: float = 0.0  # background prefill since the previous reply, as in `tokens`
 
 
 @dataclass(slots=True)

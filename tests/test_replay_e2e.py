@@ -1,0 +1,118 @@
+"""tokenrouter-replay end to end: real models, a real cloud server on loopback, every byte through the emulator.
+
+Each policy answers the same 3 CLINC150 val queries; the report must match its
+schema, speculative decoding must reproduce the cloud's greedy answer token for
+token, and router-verify with one model on both sides must reproduce the
+device's answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edge_client.replay.cli import main
+from edge_client.replay.metrics import SUMMARY_KEYS
+from edge_client.replay.policies import POLICY_KINDS
+
+ALL = ",".join(POLICY_KINDS) + ",router-sync:nosync"
+
+
+def _rows(out: Path) -> dict[str, dict[str, list[dict]]]:
+    """session -> policy -> turn rows."""
+    by: dict[str, dict[str, list[dict]]] = {}
+    for line in (out / "results.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for r in rec["rows"]:
+            by.setdefault(rec["session"], {}).setdefault(r["policy"], []).append(r)
+    return by
+
+
+@pytest.fixture(scope="module")
+def all_policies(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay")
+    import io
+    from contextlib import redirect_stdout
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(["--profile", "lan", "--policies", ALL, "--limit", "3", "--out", str(out), "--json", "--no-progress", "--max-tokens", "32"])
+    assert rc == 0
+    return out, json.loads(buf.getvalue())
+
+
+def test_every_policy_reports_the_schema(all_policies):
+    out, summary = all_policies
+    assert set(summary["policies"]) == set(POLICY_KINDS) | {"router-sync:nosync"}
+    for name, s in summary["policies"].items():
+        assert set(s) == set(SUMMARY_KEYS), name
+        assert s["ttft_ms_p50"] > 0 and s["per_token_ms_p50"] is not None, name
+        assert 0.0 <= s["cloud_fraction"] <= 1.0 and s["cloud_nll"] > 0, name
+    p = summary["policies"]
+    assert p["edge"]["cloud_fraction"] == 0 and p["edge"]["round_trips_per_answer"] == 0 and p["edge"]["cloud_compute_s_per_1k"] == 0
+    assert p["cloud"]["cloud_fraction"] == 1 and p["cloud"]["rouge_l_vs_cloud"] == 1.0 and p["cloud"]["cloud_compute_s_per_1k"] > 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["sessions"] == 3 and report["machine"]["cpu_count"] and report["models"]["cloud"]
+    assert report["network"]["up"]["chunks"] > 0 and report["network"]["down"]["overhead_ms_p50"] is not None
+    assert set(report["goals"]) == {"router-sync", "router-sync:nosync", "router-span", "router-verify", "speculative"}
+    md = (out / "report.md").read_text()
+    assert "| router-verify |" in md and "emulator's own delay" in md
+    for png in ("latency_cdf.png", "compute_vs_quality.png", "stages.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_speculative_equals_cloud_token_for_token(all_policies):
+    out, _ = all_policies
+    for session, by in _rows(out).items():
+        assert by["speculative"][0]["tokens"] == by["cloud"][0]["tokens"], session
+        assert by["speculative"][0]["traffic"]["round_trips"] >= 1
+
+
+def test_eager_sync_changes_traffic_not_tokens(all_policies):
+    out, _ = all_policies
+    for session, by in _rows(out).items():
+        assert by["router-sync"][0]["tokens"] == by["router-sync:nosync"][0]["tokens"], session
+
+
+def test_router_verify_with_one_model_equals_edge_and_resumes(tmp_path):
+    """Same GGUF on both sides and every position flagged: the cloud agrees everywhere, so nothing changes.
+
+    Run twice: --limit 2 then --limit 3 on the same --out resumes (the first two sessions are kept, not redone).
+    """
+    args = ["--profile", "lan", "--policies", "edge,router-verify", "--edge-model", "smollm2-135m-q4_1", "--cloud-model", "smollm2-135m-q4_1",
+            "--threshold", "0", "--out", str(tmp_path), "--no-progress", "--no-plots", "--max-tokens", "24"]
+    assert main([*args, "--limit", "2"]) == 0
+    first = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert main([*args, "--limit", "3"]) == 0
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and lines[:2] == first
+    for session, by in _rows(tmp_path).items():
+        edge, verify = by["edge"][0], by["router-verify"][0]
+        assert verify["tokens"] == edge["tokens"], session
+        assert verify["traffic"]["round_trips"] >= 1 and set(verify["routes"]) == {"edge"}
+
+
+def test_bad_input_is_refused_clearly(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--policies", "edge,warp"]) == 2
+    assert "unknown policy 'warp'" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--limit", "0"]) == 2
+    assert "--limit must be >= 1" in capsys.readouterr().err
+
+
+def test_audio_mode_measures_end_of_speech_to_first_audio(tmp_path, capsys):
+    """One CLINC150 query spoken with Piper (cached), through VAD, Whisper and TTS at real-time pace."""
+    from edge_client.replay.audio import voice_unavailable
+
+    why = voice_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    assert main(["--audio", "--profile", "lan", "--policies", "edge", "--limit", "1", "--out", str(tmp_path), "--no-progress", "--no-plots",
+                 "--max-tokens", "16", "--json"]) == 0
+    capsys.readouterr()
+    row = next(iter(_rows(tmp_path).values()))["edge"][0]
+    assert row["transcript"] and row["tokens"]
+    assert row["eos_to_first_audio_ms"] is not None and row["eos_to_first_audio_ms"] > 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["policies"]["edge"]["eos_to_first_audio_ms_p50"] == pytest.approx(row["eos_to_first_audio_ms"], abs=0.01)
