@@ -40,7 +40,7 @@ import llama_cpp as lc
 
 from cloud_server.engine import EngineFull
 from models.registry import ModelInfo
-from shared.llama_backend import LlamaModel, ModelLoadError, _init_backend
+from shared.llama_backend import LlamaModel
 from shared.protocol import ErrorCode, ProtocolError, SamplingParams
 
 T = TypeVar("T")
@@ -53,23 +53,8 @@ class RemoteEngineError(RuntimeError):
 class VocabModel(LlamaModel):
     """A LlamaModel loaded vocab-only: tokenizer, chat template and fingerprints, no weights."""
 
-    def __init__(self, info: ModelInfo) -> None:  # noqa: D107 - mirrors LlamaModel.__init__ with vocab_only
-        _init_backend()
-        self.info = info
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        self.ptr = lc.llama_model_load_from_file(str(info.path).encode(), params)
-        if not self.ptr:
-            raise ModelLoadError(f"llama.cpp could not load the vocabulary of {info.path}")
-        self.vocab = lc.llama_model_get_vocab(self.ptr)
-        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
-        self.n_embd = int(lc.llama_model_n_embd(self.ptr))
-        self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
-        self.bos = int(lc.llama_vocab_bos(self.vocab))
-        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
-        self._piece = ctypes.create_string_buffer(256)
-        self._pieces: dict[int, bytes] = {}
-        self._template = self._load_template()
+    def __init__(self, info: ModelInfo) -> None:
+        super().__init__(info, vocab_only=True)
         eos = int(lc.llama_vocab_eos(self.vocab))  # what chat models end a turn with (SmolLM2: <|im_end|>)
         self.end_token = eos if eos >= 0 else int(lc.llama_vocab_eot(self.vocab))
         self._by_text: dict[str, int] | None = None

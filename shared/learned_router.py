@@ -31,9 +31,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-LOGIT_FEATURES = ("entropy", "top1", "top2", "margin", "log_top1", "log_ratio12", "p_proposed", "log_p_proposed")
-N_LOGIT_FEATURES = len(LOGIT_FEATURES)
-_EPS = 1e-9
+# the logit features live beside the heuristics; re-exported here for the training code
+from shared.router import LOGIT_FEATURES, N_LOGIT_FEATURES, LogitFeaturizer  # noqa: E402,F401
 _HASH_MUL = 2654435761  # Knuth's multiplicative hash: spreads neighbouring token ids over buckets
 
 
@@ -48,38 +47,6 @@ class RouterMismatchError(RouterFileError):
 def token_bucket(token: int | np.ndarray, n_buckets: int) -> Any:
     """Bucket of a token id for the hashed token embedding (works on arrays too)."""
     return ((np.asarray(token, dtype=np.uint64) * np.uint64(_HASH_MUL)) % np.uint64(1 << 32)) % np.uint64(n_buckets)
-
-
-class LogitFeaturizer:
-    """The LOGIT_FEATURES of one next-token distribution, with reused buffers (~one exp pass).
-
-    Training (`models/train/features.py`) calls this same code, so the features
-    the router was fit on are the features it scores on.
-    """
-
-    def __init__(self, n_vocab: int) -> None:
-        self._shifted = np.empty(n_vocab, dtype=np.float32)
-        self._exp = np.empty(n_vocab, dtype=np.float32)
-        self._ones = np.ones(n_vocab, dtype=np.float32)
-        self.out = np.empty(N_LOGIT_FEATURES, dtype=np.float32)
-
-    def __call__(self, logits: np.ndarray, proposed: int) -> np.ndarray:
-        if logits.shape != self._shifted.shape:
-            self.__init__(logits.shape[0])  # type: ignore[misc]
-        top = int(np.argmax(logits))
-        np.subtract(logits, logits[top], out=self._shifted)
-        np.exp(self._shifted, out=self._exp)
-        z = float(np.dot(self._exp, self._ones))  # BLAS: about half the time of ndarray.sum here
-        entropy = max(math.log(z) - float(np.dot(self._exp, self._shifted)) / z, 0.0)
-        p_prop = float(self._exp[proposed]) / z if 0 <= proposed < len(self._exp) else 0.0
-        self._exp[top] = 0.0
-        top1, top2 = 1.0 / z, float(self._exp.max()) / z
-        o = self.out
-        o[0], o[1], o[2], o[3] = entropy, top1, top2, top1 - top2
-        o[4] = math.log(top1 + _EPS)
-        o[5] = math.log(top1 + _EPS) - math.log(top2 + _EPS)
-        o[6], o[7] = p_prop, math.log(p_prop + _EPS)
-        return o
 
 
 class DriftMonitor:

@@ -65,14 +65,17 @@ def default_threads() -> int:
 class LlamaModel:
     """Weights, vocabulary and chat template of one GGUF model."""
 
-    def __init__(self, info: ModelInfo, n_gpu_layers: int = 0) -> None:
+    def __init__(self, info: ModelInfo, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
+        """vocab_only: tokenizer and chat template without weights (a remote engine's front end)."""
         _init_backend()
         self.info = info
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
         self.ptr = lc.llama_model_load_from_file(str(info.path).encode(), params)
         if not self.ptr:
-            raise ModelLoadError(f"llama.cpp could not load {info.path} (corrupt or unsupported GGUF?)")
+            what = "the vocabulary of " if vocab_only else ""
+            raise ModelLoadError(f"llama.cpp could not load {what}{info.path} (corrupt or unsupported GGUF?)")
         self.vocab = lc.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(lc.llama_model_n_embd(self.ptr))

@@ -9,7 +9,6 @@ write. Any object with that method is a router; the learned router in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -27,41 +26,45 @@ class Router(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class LogitFeatures:
-    """Cheap summaries of the next-token distribution."""
-
-    entropy: float  # nats
-    top1_prob: float
-    top2_prob: float
-
-    @property
-    def margin(self) -> float:
-        return self.top1_prob - self.top2_prob
+LOGIT_FEATURES = ("entropy", "top1", "top2", "margin", "log_top1", "log_ratio12", "p_proposed", "log_p_proposed")
+N_LOGIT_FEATURES = len(LOGIT_FEATURES)
+_EPS = 1e-9
 
 
-class LogitFeatureExtractor:
-    """Computes LogitFeatures in a few vectorised passes with reused buffers.
+class LogitFeaturizer:
+    """The LOGIT_FEATURES of one next-token distribution: one exp pass, one scratch buffer.
 
-    H = log Z - sum(e * s) / Z with s = logits - max, e = exp(s), Z = sum(e);
-    top-1 probability is 1 / Z because e[argmax] = 1.
+    With e = exp(x - m) (m = max logit) and Z = sum(e): P(top) = 1 / Z and
+    H = log Z - (e . x / Z - m). Dotting with the logits themselves rather than a
+    second shifted copy halves the scratch memory, which matters because each
+    decode streams the weights through the cache and leaves scratch buffers cold.
+    Training (`models/train/`) calls this same code, so a learned router scores on
+    exactly the features it was fit on.
     """
 
     def __init__(self, n_vocab: int) -> None:
-        self._shifted = np.empty(n_vocab, dtype=np.float32)
-        self._exp = np.empty(n_vocab, dtype=np.float32)
+        self._exp = np.empty(max(n_vocab, 1), dtype=np.float32)
+        self.out = np.empty(N_LOGIT_FEATURES, dtype=np.float32)
 
-    def __call__(self, logits: np.ndarray) -> LogitFeatures:
-        if logits.shape != self._shifted.shape:  # a different model: resize once
+    def __call__(self, logits: np.ndarray, proposed: int = -1) -> np.ndarray:
+        if logits.shape != self._exp.shape:  # a different model: resize once
             self.__init__(logits.shape[0])  # type: ignore[misc]
+        e = self._exp
         top = int(np.argmax(logits))
-        np.subtract(logits, logits[top], out=self._shifted)
-        np.exp(self._shifted, out=self._exp)
-        z = float(self._exp.sum())
-        entropy = math.log(z) - float(np.dot(self._exp, self._shifted)) / z
-        self._exp[top] = 0.0
-        second = float(self._exp.max())
-        return LogitFeatures(entropy=max(entropy, 0.0), top1_prob=1.0 / z, top2_prob=second / z)
+        m = float(logits[top])
+        np.subtract(logits, m, out=e)
+        np.exp(e, out=e)
+        z = float(e.sum())
+        entropy = max(math.log(z) - (float(np.dot(e, logits)) / z - m), 0.0)
+        p_prop = float(e[proposed]) / z if 0 <= proposed < len(e) else 0.0
+        e[top] = 0.0
+        top1, top2 = 1.0 / z, float(e.max()) / z
+        o = self.out
+        o[0], o[1], o[2], o[3] = entropy, top1, top2, top1 - top2
+        o[4] = math.log(top1 + _EPS)
+        o[5] = math.log(top1 + _EPS) - math.log(top2 + _EPS)
+        o[6], o[7] = p_prop, math.log(p_prop + _EPS)
+        return o
 
 
 # Score quantiles of each heuristic for the default device model (SmolLM2-135M Q3_K_S, greedy,
@@ -95,16 +98,16 @@ class HeuristicRouter:
             raise ValueError(f"unknown heuristic {kind!r}; choose one of {', '.join(self.KINDS)}")
         self.kind = kind
         self.name = f"heuristic-{kind}"
-        self._features = LogitFeatureExtractor(max(n_vocab, 1))
+        self._features = LogitFeaturizer(n_vocab)
         self._max_entropy = math.log(max(n_vocab, 2))
 
     def score(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> float:
         f = self._features(logits)
         if self.kind == "entropy":
-            return min(f.entropy / self._max_entropy, 1.0)
+            return min(float(f[0]) / self._max_entropy, 1.0)
         if self.kind == "top1":
-            return 1.0 - f.top1_prob
-        return 1.0 - f.margin
+            return 1.0 - float(f[1])
+        return 1.0 - float(f[3])
 
     def threshold_for(self, fraction: float) -> float:
         """Starting threshold for a target cloud fraction (from PRIOR_QUANTILES)."""

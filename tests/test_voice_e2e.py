@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voice_audio import speech_span, spoken_wav, virtual_devices, wer
+from voice_audio import heard_as, speech_span, spoken_wav, virtual_devices, wer
 
 from edge_client.voice.audio_io import Microphone, Speaker
 from edge_client.voice.cli import run_file_turn
@@ -53,7 +53,7 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
     reply, rate = read_wav(tmp_path / "r.wav")
     assert len(reply) / rate > 0.5
     heard = engines.transcriber.transcribe(resample(reply, rate, 16000))
-    assert wer(obj["answer"], heard) <= 0.35, (obj["answer"], heard)
+    assert heard_as(obj["answer"], heard) >= 0.75, (obj["answer"], heard)
 
 
 def test_silence_only_is_reported(engines, tmp_path):
@@ -97,7 +97,7 @@ def test_real_devices_answer_is_heard_on_the_speaker(engines, tmp_path):
     assert wer(QUESTION, done.transcript) <= 0.2
     assert_timings_ordered(done.timings)
     heard = engines.transcriber.transcribe(rec["audio"])
-    assert wer(done.answer.text, heard) <= 0.35, (done.answer.text, heard)
+    assert heard_as(done.answer.text, heard) >= 0.75, (done.answer.text, heard)
     # history holds the exchange as spoken
     assert pipe.dialogue.turns[-1] == {"role": "assistant", "content": done.spoken_text}
 

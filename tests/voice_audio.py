@@ -147,3 +147,15 @@ def speech_span(audio: np.ndarray, rate: int, thresh: float = 0.02) -> tuple[flo
     if len(idx) == 0:
         return None
     return idx[0] / rate, idx[-1] / rate
+
+
+def heard_as(text: str, heard: str) -> float:
+    """Similarity in [0, 1] of what was said and what tiny.en heard in the recording, by characters.
+
+    Word error rate punishes one misheard short word too hard on a 7-word reply ("is Paris" heard
+    as "prayers" is 43% WER); character similarity still separates the reply (~0.9) from other
+    speech (~0.3) or silence (0).
+    """
+    import difflib
+
+    return difflib.SequenceMatcher(None, " ".join(words(text)), " ".join(words(heard))).ratio()

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
+from shared.textmetrics import rouge_l_f1 as rouge_l  # noqa: F401  (re-exported for the report)
 
 CLAUSE_RE = re.compile(r"[.,;:!?\n]")
 ANSWERED_WITHIN_MS = 150.0
@@ -77,24 +78,6 @@ class CloudScorer:
 
     def close(self) -> None:
         self.ctx.close()
-
-
-def rouge_l(candidate: str, reference: str) -> float:
-    """ROUGE-L F1 over lower-cased words (longest common subsequence)."""
-    a, b = candidate.lower().split(), reference.lower().split()
-    if not a or not b:
-        return 1.0 if a == b else 0.0
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    lcs = prev[-1]
-    if lcs == 0:
-        return 0.0
-    p, r = lcs / len(a), lcs / len(b)
-    return 2 * p * r / (p + r)
 
 
 # --------------------------------------------------------------------------- latency

@@ -36,7 +36,7 @@ from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import model_info
 from models.train.label import chat
 from models.train.pair import PairStepper, log_softmax_row
-from models.train.textmetrics import rouge_l_f1, token_agreement
+from shared.textmetrics import rouge_l_f1, token_agreement
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.router import HeuristicRouter, RandomRouter

@@ -35,7 +35,7 @@ from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import model_info
 from models.train.pair import PairStepper
 from models.train.shards import make_records, write_shard
-from models.train.textmetrics import lcs_len
+from shared.textmetrics import lcs_len
 from shared.learned_router import LogitFeaturizer
 from shared.llama_backend import LlamaModel
 
