@@ -40,7 +40,7 @@ class Client:
     """A bare protocol client: frames in, frames out, no routing logic."""
 
     def __init__(self, server: LocalCloudServer, **kw) -> None:
-        self.ws = connect(server.url, open_timeout=10, compression=None, **kw)  # closed by close() or the test
+        self.ws = connect(server.url, open_timeout=10, compression=None, **kw).__enter__()  # closed by close() or the test
 
     def send(self, msg) -> None:
         self.ws.send(encode(msg))
