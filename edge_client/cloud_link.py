@@ -20,6 +20,7 @@ import numpy as np
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
+from edge_client.decoder import common_prefix
 from models.registry import ModelInfo
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -167,6 +168,14 @@ class CloudLink:
         if tokens:
             self._send(Sync(position=self.cloud_len, tokens=list(tokens)))
             self.cloud_len += len(tokens)
+
+    def resync(self, previous: list[int], history: list[int]) -> None:
+        """Make the cloud hold `history`, given it holds previous[:cloud_len] (a new turn of a
+        conversation): roll back to the common prefix, then sync the rest."""
+        keep = common_prefix(previous[: self.cloud_len], history)
+        if keep < self.cloud_len:
+            self.rollback(keep)
+        self.sync(history[keep:])
 
     def rollback(self, position: int) -> None:
         self._send(Rollback(position=position))

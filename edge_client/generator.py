@@ -29,7 +29,7 @@ import numpy as np
 
 from edge_client.answer import Answer, Latency, Route, TokenEvent
 from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats
-from edge_client.decoder import EdgeDecoder, common_prefix
+from edge_client.decoder import EdgeDecoder
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -265,10 +265,7 @@ class RoutedGenerator:
         """Connect (or reuse the session) and make the cloud hold `prompt`. False = degraded."""
         try:
             if self.link is not None and self.link.connected:
-                keep = common_prefix(previous[: self.link.cloud_len], prompt)
-                if keep < self.link.cloud_len:
-                    self.link.rollback(keep)
-                self.link.sync(prompt[keep:])
+                self.link.resync(previous, prompt)
                 return True
             self._retire_link()  # closed after an interrupted stream, or lost
             assert self._connect is not None

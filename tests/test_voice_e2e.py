@@ -107,7 +107,7 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
     opts = VoiceOptions(full_duplex=True, max_tokens=96)
     opts.dialogue.system_prompt = "You are a helpful voice assistant. Answer in detail, in many long sentences."
     q1 = spoken_wav(engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q1.wav")
-    q2 = spoken_wav(engines.synth, "Stop, what time is it?", tmp_path / "q2.wav", lead_s=0.0)
+    q2 = spoken_wav(engines.synth, "What time is it right now?", tmp_path / "q2.wav", lead_s=0.0)  # no comma: a pause would end the turn early
     lead2 = speech_span(read_wav(q2)[0], 16000)[0]
     with virtual_devices() as dev:
         pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), opts)

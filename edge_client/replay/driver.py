@@ -19,7 +19,7 @@ from typing import Callable
 
 from edge_client.answer import TokenEvent
 from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable
-from edge_client.decoder import EdgeDecoder, common_prefix
+from edge_client.decoder import EdgeDecoder
 from edge_client.generator import build_router
 from edge_client.replay.policies import PolicySpec, RouterOptions, make_policy
 from edge_client.replay.turn import Emitter, LinkFactory, TurnRecord
@@ -243,10 +243,7 @@ class ReplayDriver:
         """Connect (or reuse the session) so the cloud holds `prompt`. False: carry on without it."""
         try:
             if self.link is not None and self.link.connected:
-                keep = common_prefix(previous[: self.link.cloud_len], prompt)
-                if keep < self.link.cloud_len:
-                    self.link.rollback(keep)
-                self.link.sync(prompt[keep:])
+                self.link.resync(previous, prompt)
                 return True
             self.link = None
             link = self.links()
