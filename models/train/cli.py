@@ -22,10 +22,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ROUTERS_DIR = REPO_ROOT / "models" / "routers"
 DEFAULT_ROUTER = ROUTERS_DIR / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}.npz"
 
-# what `reproduce` labels: CLINC150 train + oos_train for fitting, val (offset 1) for early stopping
-SHIP_TRAIN = ("train:160", "oos_train:32")
-SHIP_VAL = ("val:64",)
-SHIP_VAL_OFFSET = 1
+# what `reproduce` labels: CLINC150 train + oos_train for fitting (two disjoint strides of train),
+# val (offset 1) for early stopping: (shard subdirectory, split specs, stride offset)
+SHIP_GROUPS = (
+    ("val", ("val:64",), 1),
+    ("train", ("train:160", "oos_train:32"), 0),
+    ("train-extra", ("train:480",), 7),
+)
 
 
 def _prompts(args: argparse.Namespace) -> tuple[list[str], str]:
@@ -164,10 +167,10 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
     work = args.work or cache_dir() / "labels" / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}"
     t0 = time.perf_counter()
-    for sub, specs, offset in (("val", SHIP_VAL, SHIP_VAL_OFFSET), ("train", SHIP_TRAIN, 0)):
+    for sub, specs, offset in SHIP_GROUPS:
         prompts = [q for spec in specs for q in clinc_prompts(*parse_split_spec(spec), offset=offset)]
         label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, work / sub, prompts_per_shard=16, threads=args.threads))
-    ns = build_parser().parse_args(["fit", "--train", str(work / "train"), "--val", str(work / "val"), "--out", str(args.out)])
+    ns = build_parser().parse_args(["fit", "--train", str(work / "train"), str(work / "train-extra"), "--val", str(work / "val"), "--out", str(args.out)])
     cmd_fit(ns)
     print(f"reproduced {args.out} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
