@@ -175,3 +175,12 @@ def test_whisper_repetition_loop_is_cut():
     assert collapse_repeats("Where do you want to eat? Where do you want to eat?") == "Where do you want to eat?"
     assert collapse_repeats("Read my list. Read my list. Read") == "Read my list."
     assert collapse_repeats("Set a timer. For ten minutes.") == "Set a timer. For ten minutes."
+
+
+def test_whisper_word_loops_are_cut():
+    from edge_client.voice.asr import collapse_repeats
+
+    heard = "the capital city of Francis Paris Paris Paris Paris Paris Paris"
+    assert collapse_repeats(heard) == "the capital city of Francis Paris"
+    assert collapse_repeats("Stop Stop Stop Stop what time is it") == "Stop what time is it"
+    assert collapse_repeats("that is very very good") == "that is very very good"  # two in a row is speech

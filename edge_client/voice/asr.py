@@ -78,8 +78,16 @@ def collapse_repeats(text: str) -> str:
     """Cut Whisper's loop: with a short context tiny.en sometimes repeats the utterance into the padding.
 
     The text is cut at the first sentence that repeats an earlier one (or starts like one, when the
-    repeat was truncated at the end).
+    repeat was truncated at the end); a word said three or more times in a row is kept once
+    ("Paris Paris Paris Paris" -> "Paris").
     """
+    runs: list[list[str]] = []
+    for w in text.split():
+        if runs and _norm(w) and _norm(w) == _norm(runs[-1][0]):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    text = " ".join(w for run in runs for w in (run[:1] if len(run) >= 3 else run))
     sents = re.findall(r"[^.!?]+[.!?]*", text)
     seen: list[str] = []
     out = ""
