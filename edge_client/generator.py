@@ -80,7 +80,6 @@ class RoutedGenerator:
         sampling: SamplingParams,
         connect: Callable[[], CloudLink] | None = None,
         sync_every: int = 4,
-        cloud_model_name: str = "",
         n_ctx: int = 4096,
         threads: int = 1,
     ) -> None:
@@ -90,7 +89,6 @@ class RoutedGenerator:
         self.policy = policy
         self.sampling = sampling
         self.sync_every = sync_every
-        self.cloud_model_name = cloud_model_name
         self._connect = connect
         self.link: CloudLink | None = None
         self.last_cloud_error: str = ""
@@ -378,13 +376,12 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
     sampling = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
     server: LocalCloudServer | None = None
     connect: Callable[[], CloudLink] | None = None
-    cloud_name = ""
     try:
         if opts.cloud == "local" and opts.policy != "edge":
             server = LocalCloudServer(model=opts.cloud_model).start()
-            url, key, cloud_name = server.url, server.api_key, opts.cloud_model
+            url, key = server.url, server.api_key
         elif opts.cloud not in ("none", "local"):
-            url, key, cloud_name = opts.cloud, opts.api_key or os.environ.get("TOKENROUTER_API_KEY", ""), opts.cloud
+            url, key = opts.cloud, opts.api_key or os.environ.get("TOKENROUTER_API_KEY", "")
         if server is not None or opts.cloud not in ("none", "local"):
             connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
         gen = RoutedGenerator(
@@ -394,7 +391,6 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
             sampling,
             connect=connect,
             sync_every=opts.sync_every,
-            cloud_model_name=cloud_name,
             n_ctx=opts.n_ctx,
             threads=opts.threads,
         )
