@@ -184,3 +184,12 @@ def test_whisper_word_loops_are_cut():
     assert collapse_repeats(heard) == "the capital city of Francis Paris"
     assert collapse_repeats("Stop Stop Stop Stop what time is it") == "Stop what time is it"
     assert collapse_repeats("that is very very good") == "that is very very good"  # two in a row is speech
+
+
+def test_unpunctuated_sentence_loops_are_cut():
+    from edge_client.voice.asr import collapse_repeats
+
+    heard = "The capital city of Friends is Paris The capital city of Friends is Paris"
+    assert collapse_repeats(heard) == "The capital city of Friends is Paris"
+    assert collapse_repeats("set a timer set a timer set a") == "set a timer"
+    assert collapse_repeats("what is the date that my visa card expires") == "what is the date that my visa card expires"

@@ -78,8 +78,8 @@ def collapse_repeats(text: str) -> str:
     """Cut Whisper's loop: with a short context tiny.en sometimes repeats the utterance into the padding.
 
     The text is cut at the first sentence that repeats an earlier one (or starts like one, when the
-    repeat was truncated at the end); a word said three or more times in a row is kept once
-    ("Paris Paris Paris Paris" -> "Paris").
+    repeat was truncated at the end), or where a run of three or more words repeats without
+    punctuation; a word said three or more times in a row is kept once ("Paris Paris Paris" -> "Paris").
     """
     runs: list[list[str]] = []
     for w in text.split():
@@ -87,7 +87,8 @@ def collapse_repeats(text: str) -> str:
             runs[-1].append(w)
         else:
             runs.append([w])
-    text = " ".join(w for run in runs for w in (run[:1] if len(run) >= 3 else run))
+    words = [w for run in runs for w in (run[:1] if len(run) >= 3 else run)]
+    text = " ".join(words[: _first_repeat(words)])
     sents = re.findall(r"[^.!?]+[.!?]*", text)
     seen: list[str] = []
     out = ""
@@ -98,6 +99,18 @@ def collapse_repeats(text: str) -> str:
         seen.append(n)
         out += s
     return out.strip()
+
+
+def _first_repeat(words: list[str]) -> int:
+    """Index where a run of >= 3 words starts to repeat the run just before it (unpunctuated loops;
+    a repeat cut short by the end counts when >= 2 words of it are there); len(words) if none."""
+    norm = [_norm(w) for w in words]
+    for i in range(3, len(norm)):
+        for n in range(3, i + 1):
+            tail = norm[i : i + n]
+            if len(tail) >= 2 and tail == norm[i - n : i - n + len(tail)]:
+                return i
+    return len(words)
 
 
 def _norm(w: str) -> str:

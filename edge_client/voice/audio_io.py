@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -178,28 +178,22 @@ class PlaybackBuffer:
 # --------------------------------------------------------------------------- microphone / speaker
 
 
-class Microphone:
-    """sounddevice input stream -> 16 kHz frames. The callback only copies into a queue."""
+def _open_stream(stream_cls: Any, asked: str | int | None, device: int | None, rate: int, block_ms: int, callback: Any) -> Any:
+    """A mono float32 sounddevice stream with low latency; DeviceError names the device on failure."""
+    kind = "input" if stream_cls.__name__.startswith("Input") else "output"
+    try:
+        return stream_cls(
+            device=device, channels=1, samplerate=rate, dtype="float32",
+            blocksize=int(rate * block_ms / 1000), latency="low", callback=callback,
+        )
+    except Exception as e:
+        raise DeviceError(f"cannot open {kind} device {asked!r}: {e}; check `tokenrouter-edge devices`") from None
 
-    def __init__(self, device: str | int | None = None, block_ms: int = 20) -> None:
-        sd = _sd()
-        self.device = resolve_device(device, "input")
-        self.rate = _pick_rate(sd, self.device, "input", PIPELINE_RATE)
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._res = StreamResampler(self.rate, PIPELINE_RATE)
-        self.overflows = 0
-        try:
-            self._stream = sd.InputStream(
-                device=self.device, channels=1, samplerate=self.rate, dtype="float32",
-                blocksize=int(self.rate * block_ms / 1000), latency="low", callback=self._callback,
-            )
-        except Exception as e:
-            raise DeviceError(f"cannot open input device {device!r}: {e}; check `tokenrouter-edge devices`") from None
 
-    def _callback(self, indata, frames, time_info, status) -> None:  # audio thread
-        if status.input_overflow:
-            self.overflows += 1
-        self._q.put((indata[:, 0].copy(), time.monotonic()))
+class _DeviceStream:
+    """start/close shared by the microphone and the speaker."""
+
+    _stream: Any
 
     def start(self) -> None:
         self._stream.start()
@@ -210,6 +204,24 @@ class Microphone:
         finally:
             self._stream.close()
 
+
+class Microphone(_DeviceStream):
+    """sounddevice input stream -> 16 kHz frames. The callback only copies into a queue."""
+
+    def __init__(self, device: str | int | None = None, block_ms: int = 20) -> None:
+        sd = _sd()
+        self.device = resolve_device(device, "input")
+        self.rate = _pick_rate(sd, self.device, "input", PIPELINE_RATE)
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._res = StreamResampler(self.rate, PIPELINE_RATE)
+        self.overflows = 0
+        self._stream = _open_stream(sd.InputStream, device, self.device, self.rate, block_ms, self._callback)
+
+    def _callback(self, indata, frames, time_info, status) -> None:  # audio thread
+        if status.input_overflow:
+            self.overflows += 1
+        self._q.put((indata[:, 0].copy(), time.monotonic()))
+
     def frames(self, stop: threading.Event) -> Iterator[Frame]:
         while not stop.is_set():
             try:
@@ -219,7 +231,7 @@ class Microphone:
             yield Frame(self._res.process(block), t)
 
 
-class Speaker:
+class Speaker(_DeviceStream):
     """sounddevice output stream draining a PlaybackBuffer."""
 
     def __init__(self, device: str | int | None, source_rate: int, block_ms: int = 20) -> None:
@@ -229,13 +241,7 @@ class Speaker:
         self.rate = _pick_rate(sd, self.device, "output", source_rate)
         self.buffer = PlaybackBuffer()
         self._offset = 0.0
-        try:
-            self._stream = sd.OutputStream(
-                device=self.device, channels=1, samplerate=self.rate, dtype="float32",
-                blocksize=int(self.rate * block_ms / 1000), latency="low", callback=self._callback,
-            )
-        except Exception as e:
-            raise DeviceError(f"cannot open output device {device!r}: {e}; check `tokenrouter-edge devices`") from None
+        self._stream = _open_stream(sd.OutputStream, device, self.device, self.rate, block_ms, self._callback)
 
     def _callback(self, outdata, frames, time_info, status) -> None:  # audio thread
         now = time.monotonic()
@@ -250,15 +256,6 @@ class Speaker:
             audio = resample(audio, self.source_rate, self.rate)
         self.buffer.put(audio)
         return len(audio)
-
-    def start(self) -> None:
-        self._stream.start()
-
-    def close(self) -> None:
-        try:
-            self._stream.stop()
-        finally:
-            self._stream.close()
 
 
 # --------------------------------------------------------------------------- files
