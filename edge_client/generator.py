@@ -118,6 +118,44 @@ class RoutedGenerator:
         with self._lock:
             return self._generate(messages, max_tokens, on_token, stop)
 
+    def prefill(self, messages: list[dict]) -> int:
+        """Decode the start of a prompt ahead of time; returns how many tokens it decoded now.
+
+        The voice pipeline calls this with the stable part of the partial
+        transcript while the person is still speaking, so that when the turn
+        starts only the last words and the template's tail remain to decode.
+        The last user word is left out (it may still change or tokenize
+        differently once more text follows). When the cloud is connected the
+        same prefix is sent to it (not awaited) so it prefills in parallel.
+        Skipped (returns 0) while an answer is being generated. `generate`
+        later keeps whatever prefix both prompts share.
+        """
+        text = self.edge.render_chat(messages, add_generation_prompt=False)
+        user = messages[-1]["content"].rstrip()
+        end = text.rfind(user)
+        if end < 0 or not user:
+            return 0
+        cut = end + len(user.rsplit(None, 1)[0]) if len(user.split()) > 1 else end
+        tokens = self.edge.tokenize(text[:cut], add_special=False)
+        if self.edge.add_bos and self.edge.bos >= 0 and (not tokens or tokens[0] != self.edge.bos):
+            tokens.insert(0, self.edge.bos)
+        if not self._lock.acquire(blocking=False):
+            return 0  # an answer is being generated: it owns the caches
+        try:
+            previous = self.decoder.history[:]
+            keep = self.decoder.set_history(tokens)
+            if keep < len(tokens):
+                self.decoder.next_distribution()
+            link = self.link
+            if link is not None and link.connected and self.policy.mode != "edge":
+                try:
+                    link.resync(previous, tokens)
+                except CloudUnavailable as exc:
+                    self._lose_cloud(exc)
+        finally:
+            self._lock.release()
+        return len(tokens) - keep
+
     def close(self) -> None:
         if self.link is not None:
             self.link.close("device closed")

@@ -45,11 +45,22 @@ def main() -> None:
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=str(ROOT / "build" / "voice_bench.json"))
     ap.add_argument("--no-speculative", action="store_true")
+    ap.add_argument("--no-prefill", action="store_true", help="do not prefill the prompt from partial transcripts")
+    ap.add_argument("--no-priority", action="store_true", help="let generation run while the first clause is synthesised")
+    ap.add_argument("--speculate-after-ms", type=int, default=None)
+    ap.add_argument("--first-max-words", type=int, default=None)
+    ap.add_argument("--stop-delay-ms", type=int, default=None)
     args = ap.parse_args()
     val = json.load(open(args.data))["val"]
     step = max(1, len(val) // args.n)
     queries = [val[i * step][0] for i in range(args.n)]
-    vopts = VoiceOptions(speculative=not args.no_speculative)
+    vopts = VoiceOptions(speculative=not args.no_speculative, prefill_partials=not args.no_prefill, first_chunk_priority=not args.no_priority)
+    if args.speculate_after_ms is not None:
+        vopts.speculate_after_ms = args.speculate_after_ms
+    if args.first_max_words is not None:
+        vopts.tts.first_max_words = args.first_max_words
+    if args.stop_delay_ms is not None:
+        vopts.vad.stop_delay_ms = args.stop_delay_ms
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
     with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=vopts.max_tokens, seed=0)) as gen:
@@ -68,7 +79,8 @@ def main() -> None:
     summary = {
         "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
         "n": len(rows),
-        "speculative": vopts.speculative,
+        "options": {"speculative": vopts.speculative, "prefill_partials": vopts.prefill_partials, "first_chunk_priority": vopts.first_chunk_priority,
+                    "speculate_after_ms": vopts.speculate_after_ms, "first_max_words": vopts.tts.first_max_words, "stop_delay_ms": vopts.vad.stop_delay_ms},
         "eos_to_first_audio_ms": {"p50": pct(e2a, 50), "p95": pct(e2a, 95), "under_150_pct": 100 * np.mean(np.array(e2a) < 150)},
         "endpoint_to_first_audio_ms": {"p50": pct(ep2a, 50), "p95": pct(ep2a, 95), "under_150_pct": 100 * np.mean(np.array(ep2a) < 150)},
         "stage_p50_ms_after_speech_end": stages,

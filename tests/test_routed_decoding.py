@@ -159,3 +159,42 @@ def test_slow_cloud_positions_fall_back_without_losing_the_session(edge_model, s
     finally:
         gen.close()
         edge_only.close()
+
+
+def test_prefill_ahead_of_time_is_exact_and_reaches_the_cloud(edge_model, same_model_server):
+    """The voice pipeline prefills from a partial transcript that may still change. After a wrong
+    guess the device's cache must hold exactly the real prompt (the first answer position's logits
+    equal a fresh decode's, up to llama.cpp's batch-split rounding), the cloud must receive the
+    prefix and stay in step (same model on both sides: routed = device-only through the same calls),
+    and a busy generator is left alone."""
+    import numpy as np
+
+    question, partial = chat(QUESTIONS[0]), chat("what is the biggest city in spain")
+    prompt = edge_model.chat_tokens(question)
+    fresh = make_generator(edge_model, None, mode="edge")
+    fresh.decoder.set_history(prompt)
+    expected_logits = fresh.decoder.next_distribution()[0].copy()
+    fresh.close()
+
+    edge_only = make_generator(edge_model, None, mode="edge")
+    routed = make_generator(edge_model, same_model_server, threshold=0.5, router=RandomRouter(seed=3))
+    try:
+        answers = []
+        for gen in (edge_only, routed):
+            gen.generate(chat("hello there"), max_tokens=4)  # the caches hold another prompt
+            assert gen.prefill(partial) > 0
+            assert gen.prefill(partial) == 0, "already cached: nothing to decode"
+            if gen is routed:
+                assert gen.link is not None and gen.link.cloud_len == len(gen.decoder.history), "the cloud holds the prefix too"
+            else:
+                gen.decoder.set_history(prompt)
+                logits = gen.decoder.next_distribution()[0]
+                assert int(np.argmax(logits)) == int(np.argmax(expected_logits))
+                np.testing.assert_allclose(logits, expected_logits, atol=0.05)
+            answers.append(gen.generate(question, max_tokens=MAX_TOKENS))
+        assert answers[1].tokens == answers[0].tokens and not answers[1].degraded and answers[1].n_cloud_tokens > 0
+        with routed._lock:  # an answer in progress owns the caches
+            assert routed.prefill(chat("something else entirely")) == 0
+    finally:
+        edge_only.close()
+        routed.close()

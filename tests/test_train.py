@@ -173,3 +173,23 @@ def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
         assert abs(float(scores[sel].mean()) - c["mean_score"]) < 0.02
     m = router.meta["metrics"]
     assert m["auc_divergent"] > m["entropy_auc_divergent"], "the shipped router must rank divergent tokens better than entropy"
+
+
+def test_soft_regret_label_and_regret_early_stopping(labelled, tmp_path):
+    """The soft label grows with regret and is 0 where the models agree; a router fitted on it with
+    the regret criterion loads, and the criterion ranks a perfect ordering above a reversed one."""
+    from models.train.fit import regret_captured
+
+    rec = load_records([labelled])
+    soft = targets(rec, "soft-regret", 2.0)
+    mismatch = rec["mismatch"].astype(bool)
+    assert (soft[~mismatch] == 0).all() and (soft >= 0).all() and (soft < 1).all()
+    r = np.nan_to_num(rec["regret"])
+    big, small = mismatch & (r > 3), mismatch & (r > 0) & (r < 1)
+    if big.any() and small.any():
+        assert soft[big].min() > soft[small].max()
+    regret = np.where(mismatch, r, 0.0)
+    assert regret_captured(regret, rec) > regret_captured(-regret, rec)
+    out = tmp_path / "soft.npz"
+    report = fit(FitOptions(train=[str(labelled)], out=out, label="soft-regret", regret_nats=2.0, early_stop="regret", epochs=3, patience=3, hidden_units=8, buckets=32))
+    assert report["metrics"]["label"] == "soft-regret" and load_router(out).meta["label"] == "soft-regret"

@@ -50,6 +50,7 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
     assert wer(QUESTION, obj["transcript"]) <= 0.2
     assert obj["answer"].strip() and obj["n_tokens"] > 0 and len(obj["routes"]) == obj["n_tokens"]
     assert set(obj["timings_ms"]) >= set(STAGE_ORDER) and obj["end_of_speech_to_first_audio_ms"] > 0
+    assert obj["prefilled_tokens"] > 0, "the prompt should be prefilled from partial transcripts while speaking"
     reply, rate = read_wav(tmp_path / "r.wav")
     assert len(reply) / rate > 0.5
     heard = engines.transcriber.transcribe(resample(reply, rate, 16000))

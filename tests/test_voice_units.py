@@ -14,7 +14,7 @@ from edge_client.voice.asr import LocalAgreement
 from edge_client.voice.audio_io import DeviceError, FileSource, resolve_device
 from edge_client.voice.dialogue import Dialogue, DialogueOptions
 from edge_client.voice.resample import StreamResampler, resample
-from edge_client.voice.tts import ClauseChunker, speakable
+from edge_client.voice.tts import ClauseChunker, TtsOptions, speakable
 from edge_client.voice.vad import FRAME, Endpointer, Ev, SileroVad, VadOptions
 from edge_client.voice.wavfile import AudioFileError, read_wav, write_wav
 
@@ -42,7 +42,8 @@ def test_first_chunk_cut_at_first_clause_then_by_sentence():
 def test_run_on_text_is_cut_by_word_limit():
     toks = [" word"] * 30 + [" "]
     chunks = feed_all(ClauseChunker(), toks)
-    assert len(chunks) >= 2 and len(chunks[0].split()) <= 11
+    assert len(chunks) >= 2 and len(chunks[0].split()) == TtsOptions().first_max_words
+    assert all(len(c.split()) <= TtsOptions().max_words for c in chunks[1:])
 
 
 def test_speakable_strips_markdown():

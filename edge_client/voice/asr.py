@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from .assets import whisper_model_dir
+from .worker import LatestJobWorker
 
 RATE = 16000
 
@@ -167,42 +168,25 @@ class AsrWorker:
     def __init__(self, transcriber: Transcriber, on_result: Callable[[AsrResult], None]) -> None:
         self.tx = transcriber
         self.on_result = on_result
-        self._cv = threading.Condition()
-        self._job: AsrJob | None = None
-        self._closed = False
-        self.busy = False
-        self._t = threading.Thread(target=self._run, name="asr", daemon=True)
-        self._t.start()
+        self.last_error: Exception | None = None
+        self._worker: LatestJobWorker[AsrJob] = LatestJobWorker("asr", self._decode, lambda waiting, new: waiting.kind == "final" and new.kind == "partial")
+
+    @property
+    def busy(self) -> bool:
+        return self._worker.busy
 
     def submit(self, job: AsrJob) -> None:
-        with self._cv:
-            if self._job is not None and self._job.kind == "final" and job.kind == "partial":
-                return
-            self._job = job
-            self._cv.notify()
+        self._worker.submit(job)
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._t.join(timeout=5)
+        self._worker.close()
 
-    def _run(self) -> None:
+    def _decode(self, job: AsrJob) -> None:
         import time
 
-        while True:
-            with self._cv:
-                while self._job is None and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                job, self._job = self._job, None
-                self.busy = True
-            try:
-                text = self.tx.transcribe(job.audio)
-            except Exception as e:  # keep the long-running app alive; report as empty
-                text = ""
-                self.last_error = e
-            with self._cv:
-                self.busy = False
-            self.on_result(AsrResult(job, text, time.monotonic()))
+        try:
+            text = self.tx.transcribe(job.audio)
+        except Exception as e:  # keep the long-running app alive; report as empty
+            text = ""
+            self.last_error = e
+        self.on_result(AsrResult(job, text, time.monotonic()))

@@ -107,7 +107,9 @@ def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: b
     pipe = VoicePipeline(engines, source, sink, vopts)
     turns = pipe.run(max_turns=1, first_audio_only=first_audio_only)
     sink.write(out_path)
-    return turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
+    obj = turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
+    obj["prefilled_tokens"] = pipe.prefilled_tokens
+    return obj
 
 
 def turn_json(done: Any, out_path: str | None = None, reply_s: float | None = None) -> dict:

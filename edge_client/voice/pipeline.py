@@ -3,6 +3,7 @@
 Stages and threads:
   caller thread   source frames -> Silero VAD -> endpointer -> utterance buffer, partial decode requests
   asr thread      Whisper decodes (partials while speaking; the final one at the first pause)
+  prefill thread  decodes the prompt from the latest partial transcript while the person speaks
   gen thread      routed generation of one turn, tokens pushed to a queue
   tts thread      clause chunker -> Piper -> playback buffer (or held, while speculative)
   audio thread    the device callback (or the file pacer) drains the playback buffer
@@ -12,6 +13,10 @@ and, if it yields text, generation and synthesis start with their audio held.
 When the endpoint confirms the pause, the held audio is released at once; if
 the person resumes speaking, the speculative turn is cancelled and discarded.
 So the endpoint's stop delay overlaps recognition, generation and synthesis.
+Two more things shorten that speculative chain: the prompt is prefilled from
+each partial transcript (so the turn decodes only the last words and the
+template's tail), and generation pauses while Piper renders the first clause
+(on a small CPU the two compete, and the first audio is what the person waits for).
 
 Barge-in (full duplex): speech onset during playback pauses the speaker at
 once; `barge_in_min_ms` of speech confirms the interruption (generation stops,
@@ -47,6 +52,7 @@ from .events import (
 from .timings import TurnTimings
 from .tts import ClauseChunker, Synthesizer, TtsOptions
 from .vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad, VadOptions
+from .worker import LatestJobWorker
 
 
 class NoSpeechError(RuntimeError):
@@ -64,7 +70,9 @@ class VoiceOptions:
     barge_in_min_ms: int = 300  # speech needed to interrupt; shorter sounds (cough, "mm") do not
     pause_on_onset: bool = True  # pause playback at the first voiced frame, resume if it was noise
     speculative: bool = True  # decode + generate at the first pause, release at the endpoint
-    speculate_after_ms: int = 64
+    speculate_after_ms: int = 32  # one silent VAD frame
+    prefill_partials: bool = True  # prefill the prompt from the stable partial transcript while the person speaks
+    first_chunk_priority: bool = True  # pause generation while the first clause is synthesised
     max_utterance_s: float = 28.0
 
 
@@ -97,6 +105,36 @@ class Engines:
         gen.generate([{"role": "system", "content": prompt}, {"role": "user", "content": "Hello."}], max_tokens=1)
 
 
+class Prefiller:
+    """Prefills the prompt from the latest partial transcript in the background.
+
+    Latest request wins; a request is dropped if it went stale (the utterance
+    moved on to its final decode) before the thread got to it. Runs on its own
+    thread so neither recognition nor the audio loop waits for the ~40 ms decode.
+    """
+
+    def __init__(self, gen: Any, is_current: Callable[[int], bool]) -> None:
+        self.gen = gen
+        self.is_current = is_current
+        self.n_prefilled = 0  # prompt tokens decoded ahead of time, over all requests
+        self._worker: LatestJobWorker[tuple[int, list[dict]]] = LatestJobWorker("prefill", self._prefill)
+
+    def submit(self, utt_id: int, messages: list[dict]) -> None:
+        self._worker.submit((utt_id, messages))
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _prefill(self, job: tuple[int, list[dict]]) -> None:
+        utt_id, messages = job
+        if not self.is_current(utt_id):
+            return
+        try:
+            self.n_prefilled += self.gen.prefill(messages)
+        except Exception:  # an optimisation only: the turn decodes whatever is missing
+            pass
+
+
 class Turn:
     """One answer: generation -> clause chunks -> Piper -> (held or live) playback."""
 
@@ -114,6 +152,10 @@ class Turn:
         self._held_tokens: list[TokenEvent] = []
         self._lock = threading.Lock()
         self._tokq: queue.SimpleQueue = queue.SimpleQueue()
+        # Cleared while the first clause is synthesised: on a small CPU, generation
+        # competing with Piper delays the first audio more than it gains.
+        self._gen_may_run = threading.Event()
+        self._gen_may_run.set()
         if self.released:
             p.sink.buffer.start_turn()
         self._gen_t = threading.Thread(target=self._generate, args=(p.dialogue.messages(user_text),), name="gen", daemon=True)
@@ -126,6 +168,7 @@ class Turn:
         def on_token(ev: TokenEvent) -> None:
             self.timings.mark("llm_first_token", time.monotonic())
             self._tokq.put(ev)
+            self._gen_may_run.wait(0.5)
 
         try:
             self.answer = self.p.engines.gen.generate(messages, max_tokens=self.p.opts.max_tokens, on_token=on_token, stop=self.stop)
@@ -148,13 +191,18 @@ class Turn:
                 if self.stop.is_set():
                     break
                 self.timings.mark("first_clause_ready", time.monotonic())
+                first = not self.segments
+                if first and self.p.opts.first_chunk_priority:
+                    self._gen_may_run.clear()
                 seg = [piece, 0]
                 self.segments.append(seg)
                 for audio in synth.chunks(piece):
+                    self._gen_may_run.set()
                     if self.stop.is_set():
                         break
                     self.timings.mark("tts_first_audio", time.monotonic())
                     seg[1] += self._audio(audio)
+                self._gen_may_run.set()
             if item is None:
                 break
         if self.error is not None:
@@ -188,6 +236,7 @@ class Turn:
 
     def cancel(self) -> None:
         self.stop.set()
+        self._gen_may_run.set()
 
     def finished(self) -> bool:
         return self.synth_done.is_set() and self.p.sink.buffer.pending <= 0
@@ -261,6 +310,12 @@ class VoicePipeline:
         self._silence_ms = 0.0
         self._first_audio_only = False
         self._asr = AsrWorker(engines.transcriber, self._on_asr)
+        self._prefiller = Prefiller(engines.gen, self._prefill_wanted) if self.opts.prefill_partials else None
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens decoded from partial transcripts while the person spoke (0 when off)."""
+        return self._prefiller.n_prefilled if self._prefiller is not None else 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -296,6 +351,8 @@ class VoicePipeline:
             self.source.close()
             self.sink.close()
             self._asr.close()
+            if self._prefiller is not None:
+                self._prefiller.close()
         return self.turns
 
     def _check_no_speech(self, frame: Frame) -> None:
@@ -409,6 +466,10 @@ class VoicePipeline:
                 if not u.endpointed and u.spec_voiced_t is None:
                     stable, unstable = self.agreement.update(r.text)
                     self.emit(PartialTranscript(stable, unstable))
+                    # The whole hypothesis, not just the stable words: a wrong guess costs only
+                    # the tokens after the first difference (generate keeps the common prefix).
+                    if self._prefiller is not None and len(r.text.split()) >= 2 and self._playing is None:
+                        self._prefiller.submit(self._utt_id, self.dialogue.messages(r.text))
                 return
             if r.job.upto_t != u.spec_voiced_t:  # speech resumed after this decode started
                 return
@@ -419,6 +480,12 @@ class VoicePipeline:
             u.spec_text = r.text
             if r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
                 u.spec_turn = Turn(self, r.text, u.timings, held=True)
+
+    def _prefill_wanted(self, utt_id: int) -> bool:
+        """A prefill request is still useful: same utterance, still speaking, nothing generating."""
+        with self._lock:
+            u = self._utt
+            return u is not None and utt_id == self._utt_id and u.spec_voiced_t is None and not u.endpointed and self._playing is None
 
     def _final(self, u: _Utterance, text: str) -> None:
         """The endpoint is decided and the transcript is final: answer (or reset)."""

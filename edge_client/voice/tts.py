@@ -21,7 +21,7 @@ from .assets import piper_voice_path
 @dataclass
 class TtsOptions:
     length_scale: float | None = None  # < 1 speaks faster
-    first_max_words: int = 6
+    first_max_words: int = 4  # the first chunk is cut here when no clause has ended yet
     max_words: int = 40
     min_first_chars: int = 2  # do not speak a lone "A," as a chunk
 

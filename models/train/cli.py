@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", nargs="+", required=True, help="shard files or directories (labelled or live)")
     p.add_argument("--val", nargs="*", default=[], help="validation shards (default: hold out 15%% of training prompts)")
     p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
-    p.add_argument("--label", default="regret", choices=("divergent", "mismatch", "regret"), help="training target (default regret: best on the cloud-NLL measure, see docs/router.md)")
-    p.add_argument("--regret-nats", type=float, default=1.0)
+    p.add_argument("--label", default="regret", choices=("divergent", "mismatch", "regret", "soft-regret"), help="training target (default regret: best on the cloud-NLL measure, see docs/router.md)")
+    p.add_argument("--regret-nats", type=float, default=1.0, help="regret: the threshold; soft-regret: the scale of 1 - exp(-regret / N)")
+    p.add_argument("--early-stop", default="auc", choices=("auc", "regret"), help="validation criterion: AUC of the label, or the share of regret captured at 10-50%% cloud")
     p.add_argument("--hidden-units", type=int, default=32)
     p.add_argument("--epochs", type=int, default=80)
     p.add_argument("--dropout", type=float, default=0.3, help="input dropout")
@@ -123,6 +124,7 @@ def cmd_fit(args: argparse.Namespace) -> dict:
         seed=args.seed,
         dropout=args.dropout,
         weight_decay=args.weight_decay,
+        early_stop=args.early_stop,
     )
     report = fit(opts)
     stem = args.report or args.out.with_suffix("")

@@ -5,11 +5,15 @@ the edge hidden state, the LOGIT_FEATURES (by the same LogitFeaturizer) and
 the hashed bucket of the proposed token.
 
 Targets (`--label`):
-    divergent  the divergence label (default); rows without one (live traffic
+    divergent  the divergence label; rows without one (live traffic
                from the flywheel, where no rollout is possible) use mismatch
     mismatch   edge argmax != cloud token
-    regret     mismatch with regret > --regret-nats (the cloud finds the edge's
+    regret     (default) mismatch with regret > --regret-nats (the cloud finds the edge's
                token that much less likely than its own)
+    soft-regret  a soft target in [0, 1): 1 - exp(-regret / --regret-nats) on
+               mismatches, 0 elsewhere; BCE's minimiser is then the expected
+               saturated regret, so ranking by score ranks by what routing a
+               position saves on the cloud-NLL measure
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from models.train.shards import Records
 from shared.learned_router import token_bucket
 
-LABELS = ("divergent", "mismatch", "regret")
+LABELS = ("divergent", "mismatch", "regret", "soft-regret")
 
 
 @dataclass(slots=True)
@@ -37,9 +41,11 @@ def targets(rec: Records, label: str, regret_nats: float = 1.0) -> np.ndarray:
     mismatch = rec["mismatch"].astype(bool)
     if label == "mismatch":
         return mismatch.astype(np.float32)
-    if label == "regret":
+    if label in ("regret", "soft-regret"):
         if np.isnan(rec["regret"][mismatch]).any():
-            raise ValueError("--label regret needs labelled shards (live-traffic shards carry no regret)")
+            raise ValueError(f"--label {label} needs labelled shards (live-traffic shards carry no regret)")
+        if label == "soft-regret":
+            return np.where(mismatch, 1.0 - np.exp(-np.maximum(rec["regret"], 0.0) / regret_nats), 0.0).astype(np.float32)
         return (mismatch & (rec["regret"] > regret_nats)).astype(np.float32)
     div = rec["divergent"].astype(np.int64)
     return np.where(div < 0, mismatch, div > 0).astype(np.float32)
