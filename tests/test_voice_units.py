@@ -194,3 +194,15 @@ def test_unpunctuated_sentence_loops_are_cut():
     assert collapse_repeats(heard) == "The capital city of Friends is Paris"
     assert collapse_repeats("set a timer set a timer set a") == "set a timer"
     assert collapse_repeats("what is the date that my visa card expires") == "what is the date that my visa card expires"
+
+
+def test_voice_flags_reach_the_pipeline_options():
+    """`--no-prefill` (privacy: partial transcripts otherwise reach the cloud early) and
+    `--no-speculative` turn the techniques off; by default both are on."""
+    from edge_client.cli import build_parser
+    from edge_client.voice.cli import voice_options_from_args
+
+    on = voice_options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"]))
+    off = voice_options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--no-prefill", "--no-speculative"]))
+    assert on.prefill_partials and on.speculative
+    assert not off.prefill_partials and not off.speculative

@@ -26,6 +26,8 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vad-threshold", type=float, default=0.5, help="Silero speech probability threshold")
     g.add_argument("--barge-in-ms", type=int, default=300, help="speech needed to interrupt the reply (default 300)")
     g.add_argument("--no-speculative", action="store_true", help="wait for the endpoint before recognising and answering")
+    g.add_argument("--no-prefill", action="store_true",
+                   help="do not prefill the prompt from partial transcripts (they also reach the cloud early, words the person may still change)")
     g.add_argument("--max-history-tokens", type=int, default=768)
     g.add_argument("--voice-max-tokens", type=int, default=96, help="token cap of a spoken answer")
 
@@ -67,6 +69,7 @@ def voice_options_from_args(args: argparse.Namespace) -> "Any":
         full_duplex=getattr(args, "full_duplex", False),
         barge_in_min_ms=args.barge_in_ms,
         speculative=not args.no_speculative,
+        prefill_partials=not args.no_prefill,
     )
 
 
