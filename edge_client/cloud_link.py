@@ -306,3 +306,27 @@ class CloudLink:
         except ProtocolError as exc:
             self.close_quietly()
             raise CloudUnavailable(f"cloud sent a bad frame: {exc}") from exc
+
+
+def session_holding(
+    link: CloudLink | None,
+    connect: Callable[[], CloudLink],
+    edge: ModelInfo,
+    messages: list[dict],
+    prompt: list[int],
+    previous: list[int],
+    sampling: SamplingParams,
+) -> CloudLink:
+    """A link whose cloud session holds `prompt`, at the start of a turn.
+
+    A still-connected `link` is re-synced (it held `previous`, the device's
+    history before this turn, up to its cloud_len); otherwise `connect()` opens
+    a new session. Raises CloudUnavailable or CloudError (carry on without the
+    cloud), CloudRejected (a configuration error to report).
+    """
+    if link is not None and link.connected:
+        link.resync(previous, prompt)
+        return link
+    link = connect()
+    link.open(edge, messages, prompt, sampling)
+    return link

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edge_client.answer import Answer, Latency, Route, TokenEvent
-from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats
+from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats, session_holding
 from edge_client.decoder import EdgeDecoder
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
@@ -136,9 +136,7 @@ class RoutedGenerator:
         if end < 0 or not user:
             return 0
         cut = end + len(user.rsplit(None, 1)[0]) if len(user.split()) > 1 else end
-        tokens = self.edge.tokenize(text[:cut], add_special=False)
-        if self.edge.add_bos and self.edge.bos >= 0 and (not tokens or tokens[0] != self.edge.bos):
-            tokens.insert(0, self.edge.bos)
+        tokens = self.edge.prompt_tokens(text[:cut])
         if not self._lock.acquire(blocking=False):
             return 0  # an answer is being generated: it owns the caches
         try:
@@ -299,15 +297,11 @@ class RoutedGenerator:
 
     def _ensure_cloud(self, messages: list[dict], prompt: list[int], previous: list[int]) -> bool:
         """Connect (or reuse the session) and make the cloud hold `prompt`. False = degraded."""
+        assert self._connect is not None
         try:
-            if self.link is not None and self.link.connected:
-                self.link.resync(previous, prompt)
-                return True
-            self._retire_link()  # closed after an interrupted stream, or lost
-            assert self._connect is not None
-            link = self._connect()
-            link.open(self.edge.info, messages, prompt, self.sampling)
-            self.link = link
+            if self.link is not None and not self.link.connected:
+                self._retire_link()  # closed after an interrupted stream, or lost
+            self.link = session_holding(self.link, self._connect, self.edge.info, messages, prompt, previous, self.sampling)
             self.last_cloud_error = ""
             return True
         except CloudRejected:

@@ -25,7 +25,7 @@ from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import DEFAULT_EDGE_MODEL, model_info
 from models.train.cli import DEFAULT_ROUTER
 from shared.learned_router import LogitFeaturizer, load_router
-from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
+from shared.llama_backend import LlamaContext, LlamaModel
 from shared.router import HeuristicRouter
 
 PROMPTS = ["what's the weather like tomorrow", "set a timer for ten minutes", "how do I say thank you in french"]
@@ -37,16 +37,8 @@ def collect(model: LlamaModel, n_tokens: int) -> list[tuple[np.ndarray, np.ndarr
     for p in PROMPTS:
         ctx.clear(0)
         toks = model.chat_tokens([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": p}])
-        i = ctx.decode([DecodeItem(0, 0, toks)])[0]
-        pos = len(toks)
-        for _ in range(n_tokens):
-            logits, hidden = ctx.logits(i).copy(), ctx.hidden(i).copy()
-            t = int(np.argmax(logits))
-            out.append((hidden, logits, t))
-            if model.is_eog(t):
-                break
-            ctx.decode_one(0, pos, t)
-            pos, i = pos + 1, 0
+        for i, t in ctx.greedy(toks, n_tokens):
+            out.append((ctx.hidden(i).copy(), ctx.logits(i).copy(), t))
     ctx.close()
     return out
 

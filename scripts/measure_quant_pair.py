@@ -27,16 +27,7 @@ SYSTEM = "You are a helpful voice assistant. Answer in one or two short sentence
 
 def greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
     ctx = LlamaContext(model, n_ctx=1024, embeddings=False)
-    out = ctx.decode([DecodeItem(0, 0, prompt)])[0]
-    toks: list[int] = []
-    pos = len(prompt)
-    for _ in range(n):
-        t = int(np.argmax(ctx.logits(out)))
-        toks.append(t)
-        if model.is_eog(t):
-            break
-        ctx.decode_one(0, pos, t)
-        pos, out = pos + 1, 0
+    toks = [t for _, t in ctx.greedy(prompt, n)]
     ctx.close()
     return toks
 

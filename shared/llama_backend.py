@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import llama_cpp as lc
 import numpy as np
@@ -130,7 +130,10 @@ class LlamaModel:
         return formatter(messages=messages).prompt
 
     def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt)
+        return self.prompt_tokens(self.render_chat(messages, add_generation_prompt))
+
+    def prompt_tokens(self, text: str) -> list[int]:
+        """Tokens of rendered prompt text (or a prefix of it), with BOS when the model wants one."""
         tokens = self.tokenize(text, add_special=False)
         if self.add_bos and self.bos >= 0 and (not tokens or tokens[0] != self.bos):
             tokens.insert(0, self.bos)
@@ -263,6 +266,19 @@ class LlamaContext:
         rc = lc.llama_decode(self.ptr, b)
         if rc != 0:
             raise DecodeError(self._decode_error(rc))
+
+    def greedy(self, prompt: list[int], max_tokens: int, seq: int = 0) -> Iterator[tuple[int, int]]:
+        """Greedy decoding of `prompt` on an empty `seq`: yields (output index, token) for each new
+        token, ending after an end-of-generation token; read logits(i) / hidden(i) before the next step."""
+        i = self.decode([DecodeItem(seq, 0, prompt)])[0]
+        pos = len(prompt)
+        for _ in range(max_tokens):
+            token = int(np.argmax(self.logits(i)))
+            yield i, token
+            if self.model.is_eog(token):
+                return
+            self.decode_one(seq, pos, token)
+            pos, i = pos + 1, 0
 
     def _run(self, rows: list[tuple[int, int, int]], n_out: int) -> None:
         b = self._batch

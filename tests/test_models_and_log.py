@@ -80,3 +80,23 @@ def test_routing_log_is_two_bytes_per_token_and_exports_jsonl():
     assert next(routing_log.read(with_ids.to_bytes())).token_id == 1234
     with pytest.raises(ValueError, match="truncated"):
         list(routing_log.read(data[:-1]))
+
+
+def test_context_greedy_matches_token_by_token_reference(cloud_info):
+    """`LlamaContext.greedy` (used by the replay metrics and the scripts) equals a plain token-by-token
+    greedy decode, and stops right after an end-of-generation token."""
+    from shared.llama_backend import LlamaContext, LlamaModel
+    from tests.conftest import QUESTIONS, chat
+    from tests.helpers import reference_greedy
+
+    model = LlamaModel(cloud_info)
+    ctx = LlamaContext(model, n_ctx=1024, embeddings=False)
+    try:
+        steps = list(ctx.greedy(model.chat_tokens(chat(QUESTIONS[0])), 64))
+        tokens = [t for _, t in steps]
+        assert tokens == reference_greedy(cloud_info, chat(QUESTIONS[0]), 64)
+        assert all(i == 0 for i, _ in steps[1:]), "after the prompt every step is a single-token decode"
+        assert not any(model.is_eog(t) for t in tokens[:-1])
+    finally:
+        ctx.close()
+        model.close()

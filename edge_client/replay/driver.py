@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from edge_client.answer import TokenEvent
-from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable
+from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable, session_holding
 from edge_client.decoder import EdgeDecoder
 from edge_client.generator import build_router
 from edge_client.replay.policies import PolicySpec, RouterOptions, make_policy
@@ -242,13 +242,7 @@ class ReplayDriver:
     def _ensure_cloud(self, messages: list[dict], prompt: list[int], previous: list[int]) -> bool:
         """Connect (or reuse the session) so the cloud holds `prompt`. False: carry on without it."""
         try:
-            if self.link is not None and self.link.connected:
-                self.link.resync(previous, prompt)
-                return True
-            self.link = None
-            link = self.links()
-            link.open(self.model.info, messages, prompt, self.sampling)
-            self.link = link
+            self.link = session_holding(self.link, self.links, self.model.info, messages, prompt, previous, self.sampling)
             return True
         except CloudRejected:
             raise

@@ -63,18 +63,8 @@ class CloudScorer:
         return float(total / len(answer))
 
     def greedy(self, messages: list[dict], max_tokens: int) -> list[int]:
-        tokens = self.model.chat_tokens(messages)
         self.ctx.clear(0)
-        out = self.ctx.decode([DecodeItem(0, 0, tokens)])[0]
-        answer: list[int] = []
-        while len(answer) < max_tokens:
-            tok = int(np.argmax(self.ctx.logits(out)))
-            answer.append(tok)
-            if self.model.is_eog(tok):
-                break
-            self.ctx.decode_one(0, len(tokens) + len(answer) - 1, tok)
-            out = 0
-        return answer
+        return [tok for _, tok in self.ctx.greedy(self.model.chat_tokens(messages), max_tokens)]
 
     def close(self) -> None:
         self.ctx.close()

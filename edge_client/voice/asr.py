@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -182,8 +183,6 @@ class AsrWorker:
         self._worker.close()
 
     def _decode(self, job: AsrJob) -> None:
-        import time
-
         try:
             text = self.tx.transcribe(job.audio)
         except Exception as e:  # keep the long-running app alive; report as empty

@@ -191,13 +191,11 @@ class Turn:
                 if self.stop.is_set():
                     break
                 self.timings.mark("first_clause_ready", time.monotonic())
-                first = not self.segments
-                if first and self.p.opts.first_chunk_priority:
-                    self._gen_may_run.clear()
+                if not self.segments and self.p.opts.first_chunk_priority:
+                    self._gen_may_run.clear()  # set again once this first piece is synthesised
                 seg = [piece, 0]
                 self.segments.append(seg)
                 for audio in synth.chunks(piece):
-                    self._gen_may_run.set()
                     if self.stop.is_set():
                         break
                     self.timings.mark("tts_first_audio", time.monotonic())

@@ -99,7 +99,7 @@ def fit(opts: FitOptions) -> dict[str, Any]:
     xt = torch.from_numpy((tr.x - mean) / std)
     bt, yt = torch.from_numpy(tr.bucket), torch.from_numpy(tr.y)
     xv, bv = torch.from_numpy((va.x - mean) / std), torch.from_numpy(va.bucket)
-    best_auc, best_state, best_epoch, stale, history = -1.0, None, 0, 0, []
+    best_score, best_state, best_epoch, stale, history = -1.0, None, 0, 0, []
     gen = torch.Generator().manual_seed(opts.seed)
     for epoch in range(opts.epochs):
         net.train()
@@ -115,12 +115,12 @@ def fit(opts: FitOptions) -> dict[str, Any]:
         net.eval()
         with torch.no_grad():
             val_scores = torch.sigmoid(net(xv, bv)).numpy()
-        val_auc = auc(val_scores, va.y) if opts.early_stop == "auc" else regret_captured(val_scores, val_rec)
-        if np.isnan(val_auc):  # one class only in validation: no ranking signal, keep the latest model
-            val_auc = 0.5
-        history.append({"epoch": epoch, "train_loss": round(total / len(perm), 5), "val_auc": round(val_auc, 5)})
-        if val_auc > best_auc + 1e-4:
-            best_auc, best_epoch, stale = val_auc, epoch, 0
+        val_score = auc(val_scores, va.y) if opts.early_stop == "auc" else regret_captured(val_scores, val_rec)
+        if np.isnan(val_score):  # one class only in validation: no ranking signal, keep the latest model
+            val_score = 0.5
+        history.append({"epoch": epoch, "train_loss": round(total / len(perm), 5), f"val_{opts.early_stop}": round(val_score, 5)})
+        if val_score > best_score + 1e-4:
+            best_score, best_epoch, stale = val_score, epoch, 0
             best_state = {k: v.clone() for k, v in net.state_dict().items()}
         else:
             stale += 1
@@ -164,10 +164,16 @@ def fit(opts: FitOptions) -> dict[str, Any]:
     return report
 
 
+def position_regret(rec: Records) -> np.ndarray:
+    """What routing each position would save on the cloud-NLL measure: its regret where the models
+    disagree (unknown regret, e.g. live rows, counts as 0), else 0."""
+    return np.where(rec["mismatch"].astype(bool), np.nan_to_num(rec["regret"]), 0.0)
+
+
 def regret_captured(scores: np.ndarray, rec: Records, fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)) -> float:
     """Mean over `fractions` of the share of all regret on these positions that routing the
     top-scored fraction would remove: the validation proxy of the cloud-NLL measure."""
-    regret = np.where(rec["mismatch"].astype(bool), np.nan_to_num(rec["regret"]), 0.0)
+    regret = position_regret(rec)
     total = max(float(regret.sum()), 1e-9)
     order = np.argsort(-scores, kind="stable")
     cum = np.concatenate([[0.0], np.cumsum(regret[order])])
@@ -188,7 +194,7 @@ def evaluate_scores(scores: np.ndarray, rec: Records, label: str, regret_nats: f
     y = targets(rec, label, regret_nats).astype(bool)
     mismatch = rec["mismatch"].astype(bool)
     div = targets(rec, "divergent").astype(bool)
-    regret = np.where(mismatch, np.nan_to_num(rec["regret"]), 0.0)
+    regret = position_regret(rec)
     ent = entropy_scores(rec)
     calibration, ent_calibration = [], []
     for f in CALIBRATION_FRACTIONS:
