@@ -57,6 +57,47 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
     assert heard_as(obj["answer"], heard) >= 0.75, (obj["answer"], heard)
 
 
+class _TimedGenerator:
+    """The real generator, with the arrival time of every token recorded (a spy, not a stand-in)."""
+
+    def __init__(self, gen) -> None:
+        self._gen, self.token_t = gen, []
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def generate(self, messages, max_tokens=128, on_token=None, stop=None):
+        def timed(ev):
+            self.token_t.append(time.monotonic())
+            if on_token is not None:
+                on_token(ev)
+
+        return self._gen.generate(messages, max_tokens=max_tokens, on_token=timed, stop=stop)
+
+
+def test_generation_waits_while_the_first_clause_is_synthesised(engines, tmp_path, monkeypatch):
+    """First clause first: while Piper renders the first chunk, generation stops after the token in
+    flight (the gate's 0.5 s timeout allows one more per half second), and resumes afterwards."""
+    spy = _TimedGenerator(engines.gen)
+    windows: list[tuple[float, float]] = []
+    real_chunks = engines.synth.chunks
+
+    def timed_chunks(text):
+        t0 = time.monotonic()
+        yield from real_chunks(text)
+        windows.append((t0, time.monotonic()))
+
+    q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    monkeypatch.setattr(engines, "gen", spy)
+    monkeypatch.setattr(engines.synth, "chunks", timed_chunks)
+    obj = run_file_turn(spy, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=False, engines=engines)
+    assert obj["n_tokens"] > 8
+    start, end = windows[0]
+    during = [t for t in spy.token_t if start < t < end]
+    assert len(during) <= 1 + int((end - start) / 0.5), (len(during), end - start)
+    assert any(t > end for t in spy.token_t), "generation resumed after the first clause"
+
+
 def test_silence_only_is_reported(engines, tmp_path):
     from edge_client.voice.wavfile import write_wav
 

@@ -25,6 +25,7 @@ history keeps only what was played); a shorter sound resumes playback.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -53,6 +54,9 @@ from .timings import TurnTimings
 from .tts import ClauseChunker, Synthesizer, TtsOptions
 from .vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad, VadOptions
 from .worker import LatestJobWorker
+
+
+log = logging.getLogger(__name__)
 
 
 class NoSpeechError(RuntimeError):
@@ -131,8 +135,8 @@ class Prefiller:
             return
         try:
             self.n_prefilled += self.gen.prefill(messages)
-        except Exception:  # an optimisation only: the turn decodes whatever is missing
-            pass
+        except Exception as e:  # an optimisation only: the turn decodes whatever is missing
+            log.warning("prefill from the partial transcript failed (the turn will decode the prompt itself): %s", e)
 
 
 class Turn:
