@@ -9,9 +9,13 @@ Not thread-safe by design: every call runs on the server's single engine
 thread (see `EngineWorker`), which also makes the order of a session's
 operations the order its messages arrived in.
 
-Each session's history is decoded lazily, all but its last token, so the
-next `generate` decodes at least one token and gets that token's logits fresh
-even if other sessions decoded in between.
+A prefill (the background work after a `sync`) decodes the whole history and
+keeps a copy of the next position's logits (`SeqState.ready`). A hard-token
+request that brings no new tokens, the common case once the device syncs
+eagerly, then samples from that copy without a decode: the device waits for
+a round trip, not for the model. Any other change of the history (new tokens,
+a rollback, a verify) drops the copy, and `generate` decodes at least the last
+token, so its logits are fresh even if other sessions decoded in between.
 
 The pool is a budget: when it (or the sequence slots) runs out, idle
 sessions are evicted least recently used first and rebuilt when they return
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import llama_cpp as lc
+import numpy as np
 
 from models.registry import ModelInfo
 from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaModel
@@ -55,6 +60,17 @@ class SeqState:
     last_used: float = 0.0  # for least-recently-used eviction
     saved: bytes | None = None  # KV state kept in host memory while evicted (evict_mode "save")
     evicted: bool = False  # was evicted since its last decode (counts a restore)
+    ready: np.ndarray | None = None  # logits of the next position, kept by a prefill; valid while ready_len == len(history)
+    ready_len: int = -1
+
+    def take_ready(self) -> np.ndarray | None:
+        """The kept next-position logits if they still describe the history (then forgotten)."""
+        logits, self.ready, ready_len, self.ready_len = self.ready, None, self.ready_len, -1
+        return logits if logits is not None and ready_len == len(self.history) else None
+
+    def keep_ready(self, logits: np.ndarray) -> None:
+        self.ready = logits.copy()
+        self.ready_len = len(self.history)
 
 
 @dataclass(slots=True)
@@ -255,13 +271,14 @@ class CloudEngine:
     # ---------------------------------------------------------------- token ops
 
     def append(self, seq: int, tokens: list[int]) -> None:
-        self._seqs[seq].history.extend(tokens)
+        self._seqs[seq].history.extend(tokens)  # kept logits no longer match: take_ready checks the length
 
     def rollback(self, seq: int, n: int) -> None:
         s = self._seqs[seq]
         if n > len(s.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(s.history)} tokens")
         del s.history[n:]
+        s.ready = None  # the same length may come back with other tokens
         if s.n_decoded > n:
             if s.seq >= 0:
                 self.ctx.truncate(s.seq, n)
@@ -271,13 +288,15 @@ class CloudEngine:
             s.n_decoded = min(s.n_decoded, n)
 
     def prefill(self, seq: int) -> float:
-        """Decode all but the last pending token (background work after a sync). Returns seconds spent."""
+        """Decode the pending tokens and keep the next position's logits (background work after
+        a sync; see the module docstring). Returns seconds spent."""
         s = self._seqs[seq]
-        end = len(s.history) - 1
-        if end <= s.n_decoded:
+        end = len(s.history)
+        if end <= s.n_decoded or not s.history:
             return 0.0
         t0 = time.perf_counter()
-        self._decode(s, end, want_logits=False)
+        out = self._decode(s, end, want_logits=True)
+        s.keep_ready(self.ctx.logits(out))
         dt = time.perf_counter() - t0
         s.compute_s += dt
         return dt
@@ -291,9 +310,13 @@ class CloudEngine:
         if not s.history:
             raise ValueError("cannot generate from an empty history")
         t0 = time.perf_counter()
-        self._stale_last(s)
-        out = self._decode(s, len(s.history), want_logits=True)
-        token, logprob = self._sample(s, out)
+        ready = s.take_ready()
+        if ready is not None:
+            token, logprob = self._sample_from(s, ready)
+        else:
+            self._stale_last(s)
+            out = self._decode(s, len(s.history), want_logits=True)
+            token, logprob = self._sample(s, out)
         dt = time.perf_counter() - t0
         s.compute_s += dt
         return token, logprob, dt
@@ -309,7 +332,9 @@ class CloudEngine:
                 self._drop_saved(s)  # rebuilt by re-prefill
 
     def _sample(self, s: SeqState, out: int) -> tuple[int, float]:
-        logits = self.ctx.logits(out)
+        return self._sample_from(s, self.ctx.logits(out))
+
+    def _sample_from(self, s: SeqState, logits: np.ndarray) -> tuple[int, float]:
         token = s.sampler.sample(logits)
         logprob = log_softmax_at(logits, token)
         s.history.append(token)
@@ -338,11 +363,15 @@ class CloudEngine:
             if gen and not s.history:
                 outcomes[i].error = ValueError("cannot generate from an empty history")
                 continue
+            if gen and (ready := s.take_ready()) is not None:  # kept by a prefill: no decode
+                outcomes[i].done, outcomes[i].result = True, (*self._sample_from(s, ready), r.compute_s)
+                s.last_used = time.monotonic()
+                continue
             if left <= 0:
                 continue
             if gen:
                 self._stale_last(s)
-            target = len(s.history) if gen else len(s.history) - 1
+            target = len(s.history)
             base = s.n_decoded if (s.seq >= 0 or s.saved is not None) else 0
             if target <= base:
                 outcomes[i].done, outcomes[i].result = True, 0.0
@@ -356,7 +385,7 @@ class CloudEngine:
                     outcomes[i].error = EngineFull(f"the KV budget ({self.ctx.n_ctx} cells) cannot hold this session")
                 continue  # older requests hold the room: next batch
             protect.add(s.handle)
-            plan.append((i, s, s.n_decoded + take, gen and s.n_decoded + take == len(s.history)))
+            plan.append((i, s, s.n_decoded + take, s.n_decoded + take == len(s.history)))
             left -= take
         if not plan:
             return outcomes, 0, 0, 0.0
@@ -376,10 +405,11 @@ class CloudEngine:
             s.n_decoded = end
             s.last_used = now
             outcomes[i].progressed = True
-            if want:
+            if want and reqs[i].kind == GENERATE:
                 token, logprob = self._sample(s, out)
                 outcomes[i].done, outcomes[i].result = True, (token, logprob)
-            elif reqs[i].kind != GENERATE and end >= len(s.history) - 1:
+            elif want:  # a prefill that reached the end: keep the next position's logits
+                s.keep_ready(self.ctx.logits(out))
                 outcomes[i].done, outcomes[i].result = True, 0.0
         dt = time.perf_counter() - t0
         for (i, s, _, _) in plan:

@@ -118,25 +118,31 @@ class RoutedGenerator:
         with self._lock:
             return self._generate(messages, max_tokens, on_token, stop)
 
-    def prefill(self, messages: list[dict]) -> int:
+    def prefill(self, messages: list[dict], complete: bool = False) -> int:
         """Decode the start of a prompt ahead of time; returns how many tokens it decoded now.
 
-        The voice pipeline calls this with the stable part of the partial
-        transcript while the person is still speaking, so that when the turn
-        starts only the last words and the template's tail remain to decode.
-        The last user word is left out (it may still change or tokenize
-        differently once more text follows). When the cloud is connected the
-        same prefix is sent to it (not awaited) so it prefills in parallel.
-        Skipped (returns 0) while an answer is being generated. `generate`
-        later keeps whatever prefix both prompts share.
+        The voice pipeline calls this with the partial transcript while the
+        person is still speaking, so that when the turn starts only the last
+        words and the template's tail remain to decode. The last user word is
+        left out (it may still change or tokenize differently once more text
+        follows). With `complete` the whole prompt is decoded, template tail
+        included, with the logits of its last position kept: the pipeline's
+        guess once the person pauses, so that if the final transcript is the
+        same, `generate` starts sampling at once. When the cloud is connected
+        the same tokens are sent to it (not awaited) so it prefills in
+        parallel. Skipped (returns 0) while an answer is being generated.
+        `generate` later keeps whatever prefix both prompts share.
         """
-        text = self.edge.render_chat(messages, add_generation_prompt=False)
-        user = messages[-1]["content"].rstrip()
-        end = text.rfind(user)
-        if end < 0 or not user:
-            return 0
-        cut = end + len(user.rsplit(None, 1)[0]) if len(user.split()) > 1 else end
-        tokens = self.edge.prompt_tokens(text[:cut])
+        if complete:
+            tokens = self.edge.chat_tokens(messages)
+        else:
+            text = self.edge.render_chat(messages, add_generation_prompt=False)
+            user = messages[-1]["content"].rstrip()
+            end = text.rfind(user)
+            if end < 0 or not user:
+                return 0
+            cut = end + len(user.rsplit(None, 1)[0]) if len(user.split()) > 1 else end
+            tokens = self.edge.prompt_tokens(text[:cut])
         if not self._lock.acquire(blocking=False):
             return 0  # an answer is being generated: it owns the caches
         try:

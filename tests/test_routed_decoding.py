@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from edge_client.generator import RoutedGenerator
@@ -143,7 +145,7 @@ def test_slow_cloud_positions_fall_back_without_losing_the_session(edge_model, s
     """Hard tokens that time out are written by the device; the abandoned requests are rolled
     back on the cloud, so later hard tokens still land in a history identical to the device's."""
     edge_only = make_generator(edge_model, None, mode="edge")
-    gen = make_generator(edge_model, same_model_server, threshold=0.0, timeout_s=1e-4)
+    gen = make_generator(edge_model, same_model_server, threshold=0.0, timeout_s=0.0)  # no wait at all: every answer is late
     gen.max_consecutive_timeouts = 100
 
     def heal(ev) -> None:
@@ -195,6 +197,47 @@ def test_prefill_ahead_of_time_is_exact_and_reaches_the_cloud(edge_model, same_m
         assert answers[1].tokens == answers[0].tokens and not answers[1].degraded and answers[1].n_cloud_tokens > 0
         with routed._lock:  # an answer in progress owns the caches
             assert routed.prefill(chat("something else entirely")) == 0
+    finally:
+        edge_only.close()
+        routed.close()
+
+
+def test_complete_prefill_lets_the_answer_start_without_a_decode(edge_model, same_model_server):
+    """At the first pause the voice pipeline decodes the whole prompt of its latest guess. When
+    the final transcript is that guess, the first answer token needs no decode on either side:
+    the device reads the kept logits, and the cloud (every token is hard here) samples from the
+    logits its prefill kept (no model time for that request). The answer is exact: same model
+    on both sides, so routed = device-only."""
+    question = chat(QUESTIONS[2])
+    prompt = edge_model.chat_tokens(question)
+    edge_only = make_generator(edge_model, None, mode="edge")
+    routed = make_generator(edge_model, same_model_server, threshold=0.0)
+    try:
+        expected = edge_only.generate(question, max_tokens=MAX_TOKENS)
+        routed.generate(chat("hello there"), max_tokens=4)  # the caches hold another prompt
+        assert routed.prefill(question, complete=True) > 0
+        assert routed.decoder.history == prompt and routed.link is not None and routed.link.cloud_len == len(prompt)
+        time.sleep(0.5)  # the cloud's prefill runs in the background
+
+        calls = {"edge_decodes": 0}
+        ctx = routed.decoder.ctx
+        for name in ("decode", "decode_one"):
+            real = getattr(ctx, name)
+            def counted(*a, _real=real, **k):  # noqa: ANN001, ANN202
+                calls["edge_decodes"] += 1
+                return _real(*a, **k)
+            setattr(ctx, name, counted)
+        stats = routed.link.stats
+        model_ms0 = stats.cloud_compute_ms - stats.background_ms
+        first: dict = {}
+
+        def on_token(ev) -> None:  # noqa: ANN001
+            if not first:
+                first.update(edge_decodes=calls["edge_decodes"], cloud_model_ms=stats.cloud_compute_ms - stats.background_ms - model_ms0, route=ev.route)
+
+        a = routed.generate(question, max_tokens=MAX_TOKENS, on_token=on_token)
+        assert first == {"edge_decodes": 0, "cloud_model_ms": 0.0, "route": "cloud"}, first
+        assert a.tokens == expected.tokens and not a.degraded
     finally:
         edge_only.close()
         routed.close()

@@ -82,6 +82,43 @@ def test_long_prefill_is_chunked_and_does_not_starve_a_hard_token(cloud_info):
         w.shutdown()
 
 
+def test_a_prefill_keeps_the_next_token_ready_and_a_rollback_drops_it(cloud_info):
+    """After a sync's prefill, a hard token with no new tokens is sampled from the kept logits:
+    no decode, and the same token a fresh decode gives. A rollback (or new tokens) must not
+    reuse them: the token then comes from a decode of the changed history."""
+    eng, w, rec = make(cloud_info, n_ctx=2048, max_sessions=4)
+    ref_eng, ref_w, _ = make(cloud_info, n_ctx=2048, max_sessions=4)
+    try:
+        async def main() -> None:
+            prompt = prompt_of(eng, "what is the capital of france")
+            h = await w.call(eng.open, prompt, SamplingParams())
+            await w.prefill(h)
+            decodes = len(rec.batches)
+            first, _, compute_s = await w.generate(h)
+            assert len(rec.batches) == decodes, "the kept logits must answer without a decode"
+            assert compute_s == 0.0
+            r = await ref_w.call(ref_eng.open, prompt, SamplingParams())  # no prefill: decodes the whole prompt
+            assert first == (await ref_w.generate(r))[0]
+
+            # roll back and write a different token at the same position: the length matches the
+            # kept logits' again, but they describe another history
+            await w.prefill(h)
+            await w.call(eng.rollback, h, len(prompt))
+            other = eng.model.tokenize(" Lyon")[0]
+            await w.call(eng.append, h, [other])
+            await ref_w.call(ref_eng.rollback, r, len(prompt))
+            await ref_w.call(ref_eng.append, r, [other])
+            decodes = len(rec.batches)
+            got = (await w.generate(h))[0]
+            assert len(rec.batches) > decodes, "a changed history must be decoded"
+            assert got == (await ref_w.generate(r))[0]
+
+        asyncio.run(main())
+    finally:
+        w.shutdown()
+        ref_w.shutdown()
+
+
 def test_kv_budget_evicts_idle_sessions_lru_and_save_mode_restores_exactly(cloud_info):
     """One KV slot, three sessions taking turns: each turn evicts the other; saved state restores bit-exact."""
     ref_eng, ref_w, _ = make(cloud_info, n_ctx=2048, max_sessions=4)

@@ -26,6 +26,7 @@ from shared.llama_backend import LlamaModel
 from shared.router import HeuristicRouter
 
 from tests.conftest import SYSTEM
+from tests.helpers import reference_greedy
 
 PROMPTS = ["what is the capital of france", "set a timer for ten minutes", "how do you say hello in japanese", "tell me a joke"]
 
@@ -157,6 +158,23 @@ def test_eval_json_object(router_file, tmp_path, capsys):
     assert (tmp_path / "ev.json").is_file() and (tmp_path / "ev.png").stat().st_size > 1000
 
 
+def test_eval_side_by_side_routers_share_one_run(router_file, tmp_path, capsys):
+    """`eval --also`: another router in the same run. The same router under another name must give
+    exactly the main router's curve (same decisions, same sequences), listed as learned:<stem>."""
+    import shutil
+
+    copy = tmp_path / "same-router.npz"
+    shutil.copy(router_file[0], copy)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("what is the capital of france\nset an alarm for seven\n")
+    train_main(["eval", "--router", str(router_file[0]), "--also", str(copy), "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
+                "--out", str(tmp_path / "ev"), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["methods"]["learned:same-router"] == result["methods"]["learned"]
+    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router"}
+    assert result["also"] == [str(copy)]
+
+
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")
 def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
     """Re-label the shipped router's check prompts and score them: the recorded figures must hold."""
@@ -193,3 +211,37 @@ def test_soft_regret_label_and_regret_early_stopping(labelled, tmp_path):
     out = tmp_path / "soft.npz"
     report = fit(FitOptions(train=[str(labelled)], out=out, label="soft-regret", regret_nats=2.0, early_stop="regret", epochs=3, patience=3, hidden_units=8, buckets=32))
     assert report["metrics"]["label"] == "soft-regret" and load_router(out).meta["label"] == "soft-regret"
+
+
+def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_path, edge_info):
+    """`label --routed-by`: each prompt is decoded as the router would route it. Routing everything
+    must reproduce the cloud-path labelling; routing nothing must follow the device's own greedy
+    answer; the rows carry no divergence label (-1) and `fit` accepts them."""
+    path, _ = router_file
+    prompts = PROMPTS[:2]
+
+    def routed(fraction: float, sub: str, per: int = 2):
+        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path / sub, max_tokens=14, prompts_per_shard=per, threads=1,
+                                    progress=False, route_with=path, route_fractions=(fraction,)))
+        return load_records([tmp_path / sub])
+
+    cloud_path = load_records([labelled])
+    cloud_path = {k: cloud_path[k][cloud_path["prompt_id"] < 2] for k in ("proposed", "cloud_token", "prompt_id", "regret")}
+    everything = routed(1.0, "all")
+    assert everything.meta["path"] == "routed" and (everything["divergent"] == -1).all()
+    for k in ("proposed", "cloud_token", "prompt_id"):
+        assert np.array_equal(everything[k], cloud_path[k]), k
+    np.testing.assert_allclose(everything["regret"], cloud_path["regret"], atol=1e-3)
+
+    with pytest.raises(ValueError, match="labelled along other paths"):  # resuming must not mix two routers' paths
+        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path / "all", max_tokens=14, prompts_per_shard=2, progress=False,
+                                    route_with=DEFAULT_ROUTER))
+
+    nothing = routed(0.0, "none", per=1)  # one prompt per batch: the same decode layout as reference_greedy
+    for k, q in enumerate(prompts):
+        own = reference_greedy(edge_info, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], 14)
+        assert nothing["proposed"][nothing["prompt_id"] == k].tolist() == own, f"prompt {k}: the path must be the device's own answer"
+    assert nothing["mismatch"].sum() > 0 and not np.array_equal(nothing["cloud_token"], everything["cloud_token"][: len(nothing)])
+    report = fit(FitOptions(train=[str(labelled), str(tmp_path / "none")], out=tmp_path / "mixed.npz", label="regret", epochs=2, patience=2, hidden_units=8, buckets=32))
+    d = report["data"]
+    assert d["train_positions"] + d["val_positions"] == len(load_records([labelled])) + len(nothing)

@@ -14,9 +14,11 @@ When the endpoint confirms the pause, the held audio is released at once; if
 the person resumes speaking, the speculative turn is cancelled and discarded.
 So the endpoint's stop delay overlaps recognition, generation and synthesis.
 Two more things shorten that speculative chain: the prompt is prefilled from
-each partial transcript (so the turn decodes only the last words and the
-template's tail), and generation pauses while Piper renders the first clause
-(on a small CPU the two compete, and the first audio is what the person waits for).
+each partial transcript, template tail included (so the turn decodes only
+what the final transcript changed, and nothing when it equals the last
+partial, about one time in three), and generation pauses while Piper renders
+the first clause (on a small CPU the two compete, and the first audio is what
+the person waits for).
 
 Barge-in (full duplex): speech onset during playback pauses the speaker at
 once; `barge_in_min_ms` of speech confirms the interruption (generation stops,
@@ -76,6 +78,7 @@ class VoiceOptions:
     speculative: bool = True  # decode + generate at the first pause, release at the endpoint
     speculate_after_ms: int = 32  # one silent VAD frame
     prefill_partials: bool = True  # prefill the prompt from the stable partial transcript while the person speaks
+    prefill_complete: bool = True  # prefill each partial's whole prompt, template tail included (not just up to its last word)
     first_chunk_priority: bool = True  # pause generation while the first clause is synthesised
     max_utterance_s: float = 28.0
 
@@ -115,26 +118,27 @@ class Prefiller:
     Latest request wins; a request is dropped if it went stale (the utterance
     moved on to its final decode) before the thread got to it. Runs on its own
     thread so neither recognition nor the audio loop waits for the ~40 ms decode.
+    A `complete` request decodes the whole prompt (see `RoutedGenerator.prefill`).
     """
 
     def __init__(self, gen: Any, is_current: Callable[[int], bool]) -> None:
         self.gen = gen
         self.is_current = is_current
         self.n_prefilled = 0  # prompt tokens decoded ahead of time, over all requests
-        self._worker: LatestJobWorker[tuple[int, list[dict]]] = LatestJobWorker("prefill", self._prefill)
+        self._worker: LatestJobWorker[tuple[int, list[dict], bool]] = LatestJobWorker("prefill", self._prefill)
 
-    def submit(self, utt_id: int, messages: list[dict]) -> None:
-        self._worker.submit((utt_id, messages))
+    def submit(self, utt_id: int, messages: list[dict], complete: bool = False) -> None:
+        self._worker.submit((utt_id, messages, complete))
 
     def close(self) -> None:
         self._worker.close()
 
-    def _prefill(self, job: tuple[int, list[dict]]) -> None:
-        utt_id, messages = job
+    def _prefill(self, job: tuple[int, list[dict], bool]) -> None:
+        utt_id, messages, complete = job
         if not self.is_current(utt_id):
             return
         try:
-            self.n_prefilled += self.gen.prefill(messages)
+            self.n_prefilled += self.gen.prefill(messages, complete=complete)
         except Exception as e:  # an optimisation only: the turn decodes whatever is missing
             log.warning("prefill from the partial transcript failed (the turn will decode the prompt itself): %s", e)
 
@@ -471,7 +475,7 @@ class VoicePipeline:
                     # The whole hypothesis, not just the stable words: a wrong guess costs only
                     # the tokens after the first difference (generate keeps the common prefix).
                     if self._prefiller is not None and len(r.text.split()) >= 2 and self._playing is None:
-                        self._prefiller.submit(self._utt_id, self.dialogue.messages(r.text))
+                        self._prefiller.submit(self._utt_id, self.dialogue.messages(r.text), complete=self.opts.prefill_complete)
                 return
             if r.job.upto_t != u.spec_voiced_t:  # speech resumed after this decode started
                 return

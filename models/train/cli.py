@@ -29,6 +29,11 @@ SHIP_GROUPS = (
     ("train", ("train:160", "oos_train:32"), 0),
     ("train-extra", ("train:480",), 7),
 )
+# then DAgger-style rounds: each labels new train prompts along the paths the previous round's
+# router routes (`label --routed-by`), and the next router is fitted on everything so far
+SHIP_ROUTED_ROUNDS = (
+    ("train-routed", ("train:640",), 3),
+)
 
 
 def _prompts(args: argparse.Namespace) -> tuple[list[str], str]:
@@ -66,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="shard directory (existing shards are kept: resumable)")
     p.add_argument("--prompts-per-shard", type=int, default=16)
     p.add_argument("--window", type=int, default=8, help="cloud rollout tokens per mismatch (divergence label)")
+    p.add_argument("--routed-by", type=Path, default=None, metavar="ROUTER",
+                   help="label the paths this router file routes (at 10-50%% cloud) instead of the cloud's path (DAgger-style)")
 
     p = sub.add_parser("fit", help="train the router MLP and export a numpy router file")
     p.add_argument("--train", nargs="+", required=True, help="shard files or directories (labelled or live)")
@@ -89,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=2, help="prompts decoded together (29 configurations each)")
+    p.add_argument("--also", type=Path, action="append", default=[], metavar="ROUTER",
+                   help="another learned router file to evaluate side by side in the same run (repeatable)")
 
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
@@ -104,7 +113,8 @@ def cmd_label(args: argparse.Namespace) -> None:
         args.split = ["train"]
     prompts, source = _prompts(args)
     t0 = time.perf_counter()
-    opts = LabelOptions(args.edge_model, args.cloud_model, args.out, max_tokens=args.max_tokens, prompts_per_shard=args.prompts_per_shard, window=args.window, threads=args.threads)
+    opts = LabelOptions(args.edge_model, args.cloud_model, args.out, max_tokens=args.max_tokens, prompts_per_shard=args.prompts_per_shard, window=args.window, threads=args.threads,
+                        route_with=args.routed_by)
     paths = label(prompts, opts)
     print(f"labelled {len(prompts)} prompts from {source} into {len(paths)} shards in {args.out} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
 
@@ -140,7 +150,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if not args.split and not args.prompts:
         args.split = ["val"]
     prompts, source = _prompts(args)
-    opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch)
+    opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch,
+                       also=tuple(args.also))
     bar = None
     if not args.json:
         try:
@@ -169,12 +180,25 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
     work = args.work or cache_dir() / "labels" / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}"
     t0 = time.perf_counter()
-    for sub, specs, offset in SHIP_GROUPS:
+
+    def label_group(sub: str, specs: tuple[str, ...], offset: int, routed_by: Path | None = None) -> None:
         prompts = [q for spec in specs for q in clinc_prompts(*parse_split_spec(spec), offset=offset)]
-        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, work / sub, prompts_per_shard=16, threads=args.threads))
-    ns = build_parser().parse_args(["fit", "--train", str(work / "train"), str(work / "train-extra"), "--val", str(work / "val"), "--out", str(args.out)])
-    cmd_fit(ns)
-    print(f"reproduced {args.out} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, work / sub, prompts_per_shard=16, threads=args.threads, route_with=routed_by))
+
+    def fit_on(subs: list[str], out: Path) -> None:
+        cmd_fit(build_parser().parse_args(["fit", "--train", *(str(work / s) for s in subs), "--val", str(work / "val"), "--out", str(out)]))
+
+    for sub, specs, offset in SHIP_GROUPS:
+        label_group(sub, specs, offset)
+    subs = [sub for sub, _, _ in SHIP_GROUPS if sub != "val"]
+    rounds = [(work / f"router-round{i}.npz", group) for i, group in enumerate(SHIP_ROUTED_ROUNDS)]  # intermediate routers
+    router = rounds[0][0] if rounds else args.out
+    fit_on(subs, router)
+    for i, (router, (sub, specs, offset)) in enumerate(rounds):
+        label_group(sub, specs, offset, routed_by=router)
+        subs.append(sub)
+        fit_on(subs, rounds[i + 1][0] if i + 1 < len(rounds) else args.out)
+    print(f"reproduced {args.out} in {time.perf_counter() - t0:.0f}s (intermediate routers: {', '.join(str(r) for r, _ in rounds) or 'none'})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,11 @@ the primary measure for free:
 
 Methods: learned (thresholds from the router file's calibration table),
 entropy (thresholds calibrated on the same validation positions), random
-(threshold 1 - f on uniform scores), edge-only and cloud-only. Fractions 0 and
+(threshold 1 - f on uniform scores), edge-only and cloud-only; with `also`,
+more learned routers side by side ("learned:<file stem>"). Compare routers
+within one run: llama.cpp's batched kernels are not batch-invariant, so even
+the edge-only figure moves by a few hundredths of a nat between runs, while
+within a run every method shares the same edge-only and cloud-only answers. Fractions 0 and
 1 of each method are the edge-only and cloud-only runs. The x axis is the
 *achieved* cloud fraction, which differs from the target because thresholds
 are calibrated on the cloud's path and applied on the routed one.
@@ -57,6 +61,7 @@ class EvalOptions:
     threads: int | None = 1  # one llama.cpp thread: a second one's barriers collapse throughput on a shared machine
     seed: int = 0
     progress: bool = True
+    also: tuple[Path, ...] = ()  # more learned routers, evaluated side by side
 
 
 @dataclass(slots=True)
@@ -73,9 +78,10 @@ class _Run:
     done: bool = False
 
 
-def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: int) -> list[_Run]:
+def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: int, extra: dict[str, RouterFile] | None = None) -> list[_Run]:
     runs = [_Run("edge-only", 0.0, prompt, None), _Run("cloud-only", 1.0, prompt, None, cloud_only=True)]
     learned = LearnedRouter(router_file)
+    others = {name: LearnedRouter(rf) for name, rf in (extra or {}).items()}
     entropy = HeuristicRouter("entropy", n_vocab)
     ent_table = router_file.meta["entropy_calibration"]
     for f in opts.fractions:
@@ -87,7 +93,9 @@ def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: 
             "random": 1.0 - f,
         }
         routers = {"learned": learned, "entropy": entropy, "random": RandomRouter(seed=opts.seed * 100003 + prompt * 101 + int(f * 100))}
-        for m in METHODS:
+        for name, r in others.items():
+            thresholds[name], routers[name] = r.threshold_for_fraction(f), r
+        for m in thresholds:
             runs.append(_Run(m, f, prompt, RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0))), routers[m]))
     return runs
 
@@ -100,18 +108,22 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
     if edge_info.fingerprint != rf.meta["edge_fingerprint"]:
         raise ValueError(f"{opts.router_path} was trained for edge model {rf.meta['edge_model']}, not {edge_info.name}; evaluate it with its own models")
+    extra = {f"learned:{Path(p).stem}": RouterFile.load(p) for p in opts.also}
+    for p, other in zip(opts.also, extra.values()):
+        if other.meta["edge_fingerprint"] != rf.meta["edge_fingerprint"]:
+            raise ValueError(f"{p} was trained for edge model {other.meta['edge_model']}, not {edge_info.name}")
     if not prompts:
         raise ValueError("no prompts to evaluate")
     edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     per = opts.prompts_per_batch
-    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab))
+    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab, extra))
     longest = max(len(t) for t in tokens)
     stepper = PairStepper(edge, cloud, n_seq=per * n_cfg, n_ctx=per * (longest + n_cfg * (opts.max_tokens + 2)) + 64, threads=opts.threads)
     runs: list[_Run] = []
     try:
         for start in range(0, len(prompts), per):
-            batch = [_runs_for(k, rf, opts, edge.n_vocab) for k in range(start, min(start + per, len(prompts)))]
+            batch = [_runs_for(k, rf, opts, edge.n_vocab, extra) for k in range(start, min(start + per, len(prompts)))]
             _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens)
             runs += [r for b in batch for r in b]
             if on_progress is not None:
@@ -125,6 +137,8 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     result["n_prompts"] = len(prompts)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["router"] = str(opts.router_path)
+    if opts.also:
+        result["also"] = [str(p) for p in opts.also]
     result["edge_model"], result["cloud_model"] = edge_info.name, cloud_info.name
     return result
 
@@ -208,13 +222,14 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
 
     edge_pt, cloud_pt = point(groups[("edge-only", 0.0)], 0.0), point(groups[("cloud-only", 1.0)], 1.0)
     methods: dict[str, list[dict[str, float]]] = {"edge-only": [edge_pt], "cloud-only": [cloud_pt]}
-    for m in METHODS:
+    names = list(METHODS) + sorted({r.method for r in runs} - set(METHODS) - {"edge-only", "cloud-only"})
+    for m in names:
         pts = [dict(edge_pt, target_fraction=0.0)]
         pts += [point(groups[(m, f)], f) for f in opts.fractions if 0 < f < 1]
         pts.append(dict(cloud_pt, target_fraction=1.0))
         methods[m] = pts
-    gap = {m: round(gap_recovered(methods[m], edge_pt["cloud_nll"], cloud_pt["cloud_nll"], 0.3), 4) for m in METHODS}
-    nll_at = {m: {f"{int(f * 100)}%": round(interp_nll(methods[m], f), 4) for f in (0.1, 0.2, 0.3, 0.4, 0.5)} for m in METHODS}
+    gap = {m: round(gap_recovered(methods[m], edge_pt["cloud_nll"], cloud_pt["cloud_nll"], 0.3), 4) for m in names}
+    nll_at = {m: {f"{int(f * 100)}%": round(interp_nll(methods[m], f), 4) for f in (0.1, 0.2, 0.3, 0.4, 0.5)} for m in names}
     beats = all(nll_at["learned"][k] < nll_at["entropy"][k] for k in nll_at["learned"])
     return {"methods": methods, "gap_recovered_at_30": gap, "cloud_nll_at": nll_at, "learned_beats_entropy_10_to_50": beats}
 
@@ -240,7 +255,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, key, title in zip(axes, ("cloud_nll", "rouge_l", "token_agreement"), ("cloud NLL / token (lower is better)", "ROUGE-L F1 vs cloud-only", "token agreement vs cloud-only")):
-        for m, style in (("learned", "o-"), ("entropy", "s--"), ("random", "^:")):
+        others = [m for m in result["methods"] if m.startswith("learned:")]
+        for m, style in (("learned", "o-"), ("entropy", "s--"), ("random", "^:"), *((m, "d-") for m in others)):
             pts = sorted(result["methods"][m], key=lambda p: p["cloud_fraction"])
             ax.plot([100 * p["cloud_fraction"] for p in pts], [p[key] for p in pts], style, label=m)
         for m, color in (("edge-only", "grey"), ("cloud-only", "black")):

@@ -19,10 +19,21 @@ The rollouts (one short greedy continuation per mismatch whose regret alone
 does not decide) are batched across mismatches; they cost about WINDOW cloud
 tokens per mismatch, i.e. roughly 2-3x the cost of the reference answers.
 Labelling CLINC150 at 48 answer tokens runs at ~1-3 s per prompt on 2 cores.
+
+Routed paths (`route_with`, DAgger-style): the cloud's path is not where the
+router works. On the device an early edge-written token changes every later
+position, so the router meets states it never saw in training. With a router
+file given, each prompt is instead decoded as the generator would route it at
+one of `route_fractions` (the router's calibrated threshold; the fraction
+cycles over prompts), and every position visited is labelled the same way
+(mismatch and regret against the cloud's token there). The divergence label
+needs the cloud's own continuation as reference, which a routed path does not
+have, so those rows carry -1 (unknown), like live flywheel rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -34,7 +45,7 @@ import numpy as np
 from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import model_info
 from models.train.pair import PairStepper
-from models.train.shards import make_records, write_shard
+from models.train.shards import make_records, read_shard, write_shard
 from shared.textmetrics import lcs_len
 from shared.learned_router import LogitFeaturizer
 from shared.llama_backend import LlamaModel
@@ -59,6 +70,8 @@ class LabelOptions:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     threads: int | None = 1  # one llama.cpp thread: a second one's barriers collapse throughput on a shared machine
     progress: bool = True
+    route_with: Path | None = None  # a router file: label the paths it routes (see the module docstring)
+    route_fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)
 
 
 def chat(model: LlamaModel, system: str, prompt: str) -> list[int]:
@@ -81,11 +94,23 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
     if edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint:
         raise ValueError("the edge and cloud models have different tokenizers; token routing needs one vocabulary")
-    edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
+    router, routed_by = None, None
+    if opts.route_with is not None:
+        from shared.learned_router import load_router
+
+        router = load_router(opts.route_with, edge_info)
+        sha = hashlib.sha256(Path(opts.route_with).read_bytes()).hexdigest()[:16]
+        routed_by = {"router": str(opts.route_with), "router_sha256": sha, "fractions": list(opts.route_fractions)}
     per = opts.prompts_per_shard
     n_shards = (len(prompts) + per - 1) // per
     paths = [opts.out_dir / f"shard-{i:05d}.npz" for i in range(n_shards)]
     todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    if len(todo) < len(paths):  # resuming: the finished shards must have followed the same paths
+        old = read_shard(next(p for p in paths if p.is_file())).meta
+        if old.get("routed_by", {}).get("router_sha256") != (routed_by or {}).get("router_sha256"):
+            raise ValueError(f"{opts.out_dir} holds shards labelled along other paths ({old.get('path', 'cloud')}"
+                             f"{', router ' + old['routed_by']['router'] if 'routed_by' in old else ''}); use another --out or delete them")
+    edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
     meta = {
         "source": "label",
         "edge_model": edge_info.name,
@@ -97,7 +122,10 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         "max_tokens": opts.max_tokens,
         "label_rule": {"regret_nats": opts.regret_nats, "window": opts.window, "reconverge": opts.reconverge},
         "system_prompt": opts.system_prompt,
+        "path": "cloud" if router is None else "routed",
     }
+    if routed_by is not None:
+        meta["routed_by"] = routed_by
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     longest = max((len(t) for t in tokens), default=1)
     bar = _progress(len(todo) * per, opts.progress)
@@ -107,7 +135,7 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         for i in todo:
             chunk = prompts[i * per : (i + 1) * per]
             t0 = time.perf_counter()
-            rows = _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts)
+            rows = _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts, router)
             write_shard(paths[i], make_records(rows, dict(meta, prompts=chunk, first_prompt_id=i * per)))
             log.debug("shard %d: %d positions in %.1fs", i, len(rows["proposed"]), time.perf_counter() - t0)
             if bar is not None:
@@ -121,8 +149,11 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     return paths
 
 
-def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, opts: LabelOptions) -> dict[str, list]:
+def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, opts: LabelOptions, router=None) -> dict[str, list]:  # type: ignore[no-untyped-def]
+    """Label one batch of prompts. Without a router the cloud's token is appended at every step
+    (the cloud's path); with one, the token the router would let through (the routed path)."""
     featurize = LogitFeaturizer(stepper.edge.n_vocab)
+    thresholds = [router.threshold_for_fraction(opts.route_fractions[(first_id + k) % len(opts.route_fractions)]) for k in range(len(prompts))] if router else []
     stepper.start([(p, [k]) for k, p in enumerate(prompts)])
     rows: dict[str, list] = {k: [] for k in ("hidden", "logit_feats", "proposed", "cloud_token", "position", "prompt_id", "mismatch", "divergent", "regret")}
     answers: list[list[int]] = [[] for _ in prompts]
@@ -143,13 +174,19 @@ def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, 
             rows["mismatch"].append(int(e != c))
             rows["divergent"].append(0)
             rows["regret"].append(regret)
-            answers[v.seq].append(c)
-            if not stepper.cloud.is_eog(c):
-                chosen[v.seq] = c
+            token = c
+            if router is not None:
+                feats = rows["logit_feats"][-1]
+                token = c if router.score_features(v.edge_hidden, feats, e) >= thresholds[v.seq] else e
+                rows["divergent"][-1] = -1  # no cloud reference continuation on a routed path
+            answers[v.seq].append(token)
+            if not stepper.cloud.is_eog(token):
+                chosen[v.seq] = token
         if not chosen:
             break
         stepper.advance(chosen)
-    _label_divergence(stepper, prompts, answers, where, rows, opts)
+    if router is None:
+        _label_divergence(stepper, prompts, answers, where, rows, opts)
     return rows
 
 
