@@ -242,6 +242,8 @@ def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_pat
         own = reference_greedy(edge_info, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], 14)
         assert nothing["proposed"][nothing["prompt_id"] == k].tolist() == own, f"prompt {k}: the path must be the device's own answer"
     assert nothing["mismatch"].sum() > 0 and not np.array_equal(nothing["cloud_token"], everything["cloud_token"][: len(nothing)])
+    mixed = load_records([labelled, tmp_path / "none"])
+    assert len(np.unique(mixed["prompt_id"])) == len(PROMPTS) + len(prompts), "two labelling runs' prompts must stay apart"
     report = fit(FitOptions(train=[str(labelled), str(tmp_path / "none")], out=tmp_path / "mixed.npz", label="regret", epochs=2, patience=2, hidden_units=8, buckets=32))
     d = report["data"]
     assert d["train_positions"] + d["val_positions"] == len(load_records([labelled])) + len(nothing)

@@ -184,7 +184,7 @@ def _rates(rec: Records, opts: FitOptions) -> dict[str, float]:
     div = rec["divergent"]
     return {
         "mismatch": round(float(rec["mismatch"].mean()), 4),
-        "divergent": round(float((div > 0).mean()), 4) if (div >= 0).any() else float("nan"),
+        "divergent": round(float((div[div >= 0] > 0).mean()), 4) if (div >= 0).any() else float("nan"),  # of the rows that have the label
         "target": round(float(targets(rec, opts.label, opts.regret_nats).mean()), 4),
     }
 

@@ -7,9 +7,10 @@ One shard holds N positions:
     proposed     int32   [N]           edge token
     cloud_token  int32   [N]           cloud token (the reference)
     position     int32   [N]           position within the answer (live: within the session's history)
-    prompt_id    int32   [N]           index of the prompt in its labelling run (-1: live)
+    prompt_id    int32   [N]           index of the prompt in its labelling run (-1: live); load_records
+                                       shifts each directory's ids past the previous one's
     mismatch     int8    [N]           proposed != cloud_token
-    divergent    int8    [N]           1/0, or -1 when not labelled (live traffic)
+    divergent    int8    [N]           1/0, or -1 when not labelled (live traffic, routed paths)
     regret       float32 [N]           cloud log p(cloud token) - log p(edge token), NaN if unknown
     meta         JSON string           edge/cloud fingerprints, source, label rule
 
@@ -123,7 +124,19 @@ def load_records(sources: list[str | Path]) -> Records:
         for key in ("edge_fingerprint", "cloud_fingerprint"):
             if r.meta.get(key) != first.get(key):
                 raise ShardError(f"{p} has {key} {r.meta.get(key)}, but other shards have {first.get(key)}: train one router per model pair")
+    # prompt ids count from 0 in every labelling run (one directory each): shift them apart, so that
+    # prompts of two runs are never taken for one (the hold-out split, per-prompt counts)
+    paths = shard_paths(sources)
+    top: dict[Path, int] = {}
+    for p, r in zip(paths, parts):
+        ids = r.columns["prompt_id"]
+        top[p.parent] = max(top.get(p.parent, -1), int(ids.max()) if len(ids) else -1)
+    offset, start = {}, 0
+    for d, hi in top.items():
+        offset[d], start = start, start + hi + 1
     cols = {k: np.concatenate([r.columns[k] for r in parts]) for k in COLUMNS}
+    ids = [np.where(r.columns["prompt_id"] >= 0, r.columns["prompt_id"] + offset[p.parent], -1) for p, r in zip(paths, parts)]  # -1: live rows
+    cols["prompt_id"] = np.concatenate(ids).astype(cols["prompt_id"].dtype)
     meta = dict(first)
     meta["sources"] = sorted({r.meta.get("source", "?") for r in parts})
     return Records(cols, meta)
