@@ -206,3 +206,24 @@ def test_voice_flags_reach_the_pipeline_options():
     off = voice_options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--no-prefill", "--no-speculative"]))
     assert on.prefill_partials and on.speculative
     assert not off.prefill_partials and not off.speculative
+
+
+def test_a_dropped_speculation_leaves_no_stage_marks_behind():
+    """The person paused, a speculative turn started and marked its first token, then speech
+    resumed. The utterance must start its stage timings afresh (keeping speech_start), and the
+    cancelled turn's late marks must not reach them, or asr_final would follow llm_first_token."""
+    from types import SimpleNamespace
+
+    from edge_client.voice.pipeline import VoicePipeline, _Utterance
+    from edge_client.voice.timings import TurnTimings
+
+    cancelled = []
+    spec = SimpleNamespace(cancel=lambda: cancelled.append(True))
+    u = _Utterance(TurnTimings(speech_start=1.0, asr_final=2.0, llm_first_token=2.1), spec_voiced_t=1.9, spec_text="hi", spec_turn=spec)
+    old = u.timings
+    VoicePipeline._drop_speculation(SimpleNamespace(_utt=u))
+    assert cancelled == [True] and u.spec_turn is None and u.spec_voiced_t is None
+    assert u.timings is not old and u.timings.speech_start == 1.0
+    assert u.timings.asr_final is None and u.timings.llm_first_token is None
+    old.mark("first_clause_ready", 2.2)  # the cancelled turn, on its way out
+    assert u.timings.first_clause_ready is None

@@ -446,6 +446,9 @@ class VoicePipeline:
         if u.spec_turn is not None:
             u.spec_turn.cancel()
         u.spec_turn, u.spec_text, u.spec_voiced_t = None, None, None
+        # The cancelled turn may still mark stages on its way out: it keeps the old object, and the
+        # utterance starts afresh, so its asr_final or first token never precede the real ones.
+        u.timings = TurnTimings(speech_start=u.timings.speech_start)
 
     def _endpoint(self, t: float) -> None:
         u = self._utt
