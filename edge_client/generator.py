@@ -121,16 +121,16 @@ class RoutedGenerator:
     def prefill(self, messages: list[dict], complete: bool = False) -> int:
         """Decode the start of a prompt ahead of time; returns how many tokens it decoded now.
 
-        The voice pipeline calls this with the partial transcript while the
-        person is still speaking, so that when the turn starts only the last
-        words and the template's tail remain to decode. The last user word is
-        left out (it may still change or tokenize differently once more text
-        follows). With `complete` the whole prompt is decoded, template tail
-        included, with the logits of its last position kept: the pipeline's
-        guess once the person pauses, so that if the final transcript is the
-        same, `generate` starts sampling at once. When the cloud is connected
-        the same tokens are sent to it (not awaited) so it prefills in
-        parallel. Skipped (returns 0) while an answer is being generated.
+        The voice pipeline calls this with each partial transcript while the
+        person is still speaking, so that when the turn starts only what the
+        final transcript changed remains to decode. With `complete` (the
+        pipeline's default) the whole prompt is decoded, template tail
+        included, and the logits of its last position are kept: if the final
+        transcript equals the guess, `generate` starts sampling at once.
+        Without it the last user word is left out (it may still change or
+        tokenize differently once more text follows). When the cloud is
+        connected the same tokens are sent to it (not awaited) so it prefills
+        in parallel. Skipped (returns 0) while an answer is being generated.
         `generate` later keeps whatever prefix both prompts share.
         """
         if complete:

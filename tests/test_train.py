@@ -173,6 +173,9 @@ def test_eval_side_by_side_routers_share_one_run(router_file, tmp_path, capsys):
     assert result["methods"]["learned:same-router"] == result["methods"]["learned"]
     assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router"}
     assert result["also"] == [str(copy)]
+    for m, (lo, hi) in result["gap_recovered_at_30_ci95"].items():  # the full sample is one of the resamples
+        gap = result["gap_recovered_at_30"][m]
+        assert lo <= gap + 1e-4 and gap - 1e-4 <= hi, (m, lo, gap, hi)
 
 
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")

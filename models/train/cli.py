@@ -170,7 +170,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(json.dumps(result, indent=1))
     else:
         gap = result["gap_recovered_at_30"]
-        print(f"{len(prompts)} prompts ({source}) in {result['seconds']}s; gap recovered at 30% cloud tokens: " + ", ".join(f"{k} {v:.0%}" if not math.isnan(v) else f"{k} n/a" for k, v in gap.items()))
+        ci = result["gap_recovered_at_30_ci95"]
+        print(f"{len(prompts)} prompts ({source}) in {result['seconds']}s; gap recovered at 30% cloud tokens (95% interval over prompts): "
+              + ", ".join(f"{k} {v:.0%} ({ci[k][0]:.0%}..{ci[k][1]:.0%})" if not math.isnan(v) else f"{k} n/a" for k, v in gap.items()))
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 
 

@@ -231,7 +231,39 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
     gap = {m: round(gap_recovered(methods[m], edge_pt["cloud_nll"], cloud_pt["cloud_nll"], 0.3), 4) for m in names}
     nll_at = {m: {f"{int(f * 100)}%": round(interp_nll(methods[m], f), 4) for f in (0.1, 0.2, 0.3, 0.4, 0.5)} for m in names}
     beats = all(nll_at["learned"][k] < nll_at["entropy"][k] for k in nll_at["learned"])
-    return {"methods": methods, "gap_recovered_at_30": gap, "cloud_nll_at": nll_at, "learned_beats_entropy_10_to_50": beats}
+    return {"methods": methods, "gap_recovered_at_30": gap, "gap_recovered_at_30_ci95": gap_interval(runs, names, seed=opts.seed),
+            "cloud_nll_at": nll_at, "learned_beats_entropy_10_to_50": beats}
+
+
+def gap_interval(runs: list[_Run], names: list[str], n_boot: int = 1000, seed: int = 0) -> dict[str, list[float]]:
+    """95% bootstrap interval of `gap_recovered_at_30` over prompts (resampled with replacement).
+
+    Why: which queries are evaluated moves the figure more than most router changes do (a 40-query
+    set is a small sample of answers), so a single figure needs its spread next to it.
+    """
+    prompts = sorted({r.prompt for r in runs})
+    index = {p: i for i, p in enumerate(prompts)}
+    keys = sorted({(r.method, r.target) for r in runs})
+    nll, tok, routed = (np.zeros((len(keys), len(prompts))) for _ in range(3))
+    for r in runs:
+        k, i = keys.index((r.method, r.target)), index[r.prompt]
+        nll[k, i], tok[k, i], routed[k, i] = r.nll, len(r.tokens), r.routed
+    counts = np.random.default_rng(seed).multinomial(len(prompts), [1 / len(prompts)] * len(prompts), size=n_boot).T  # [prompts, n_boot]
+    nll_b, tok_b, routed_b = nll @ counts, np.maximum(tok @ counts, 1), routed @ counts  # [keys, n_boot]
+    mean_nll, frac = nll_b / tok_b, routed_b / tok_b
+    edge, cloud = mean_nll[keys.index(("edge-only", 0.0))], mean_nll[keys.index(("cloud-only", 1.0))]
+    out: dict[str, list[float]] = {}
+    for m in names:
+        rows = [keys.index(k) for k in keys if k[0] == m]
+        gaps = []
+        for b in range(n_boot):
+            x = np.concatenate([[0.0], frac[rows, b], [1.0]])
+            y = np.concatenate([[edge[b]], mean_nll[rows, b], [cloud[b]]])
+            order = np.argsort(x, kind="stable")
+            if edge[b] - cloud[b] > 0:
+                gaps.append((edge[b] - np.interp(0.3, x[order], y[order])) / (edge[b] - cloud[b]))
+        out[m] = [round(float(np.percentile(gaps, 2.5)), 4), round(float(np.percentile(gaps, 97.5)), 4)] if gaps else [float("nan")] * 2
+    return out
 
 
 def interp_nll(points: list[dict[str, float]], fraction: float) -> float:

@@ -47,7 +47,7 @@ from models.registry import model_info
 from models.train.pair import PairStepper
 from models.train.shards import make_records, read_shard, write_shard
 from shared.textmetrics import lcs_len
-from shared.learned_router import LogitFeaturizer
+from shared.learned_router import LearnedRouter, LogitFeaturizer, load_router
 from shared.llama_backend import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,6 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         raise ValueError("the edge and cloud models have different tokenizers; token routing needs one vocabulary")
     router, routed_by = None, None
     if opts.route_with is not None:
-        from shared.learned_router import load_router
-
         router = load_router(opts.route_with, edge_info)
         sha = hashlib.sha256(Path(opts.route_with).read_bytes()).hexdigest()[:16]
         routed_by = {"router": str(opts.route_with), "router_sha256": sha, "fractions": list(opts.route_fractions)}
@@ -149,7 +147,7 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     return paths
 
 
-def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, opts: LabelOptions, router=None) -> dict[str, list]:  # type: ignore[no-untyped-def]
+def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, opts: LabelOptions, router: LearnedRouter | None = None) -> dict[str, list]:
     """Label one batch of prompts. Without a router the cloud's token is appended at every step
     (the cloud's path); with one, the token the router would let through (the routed path)."""
     featurize = LogitFeaturizer(stepper.edge.n_vocab)
