@@ -72,6 +72,10 @@ class LlamaModel:
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        # No repacked weight buffers (llama.cpp's "extra buffer types"): on CPUs with AMX
+        # (Intel Sapphire Rapids and later) the AMX matmul they select segfaults in the first
+        # batched decode with this build; the plain CPU kernels are correct everywhere.
+        params.use_extra_bufts = False
         self.ptr = lc.llama_model_load_from_file(str(info.path).encode(), params)
         if not self.ptr:
             what = "the vocabulary of " if vocab_only else ""

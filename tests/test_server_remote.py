@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from websockets.sync.client import connect
@@ -36,7 +37,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def openai_server(cloud_info, tmp_path_factory):
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(cloud_info.path), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, str(Path(__file__).with_name("llama_server_plain_kernels.py")), "--model", str(cloud_info.path), "--host", "127.0.0.1", "--port", str(port),
            "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1"]
     log_path = tmp_path_factory.mktemp("llama_server") / "server.log"
     with open(log_path, "w") as log:
