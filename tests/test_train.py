@@ -180,7 +180,11 @@ def test_eval_side_by_side_routers_share_one_run(router_file, tmp_path, capsys):
 
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")
 def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
-    """Re-label the shipped router's check prompts and score them: the recorded figures must hold."""
+    """Re-label the shipped router's check prompts and score them: the recorded figures must hold.
+
+    Another CPU or llama.cpp kernel can flip one near-tie position of a prompt (one more or one
+    less mismatch), which moves that prompt's mean score by at most 1/n_positions: the tolerance
+    allows that one position and 0.01 of rounding on top."""
     router = load_router(DEFAULT_ROUTER, edge_info)
     check = router.meta["check"]
     prompts = [c["prompt"] for c in check["prompts"]]
@@ -191,7 +195,7 @@ def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
         sel = rec["prompt_id"] == k
         assert int(sel.sum()) == c["n_positions"]
         assert abs(int(rec["mismatch"][sel].sum()) - c["n_mismatch"]) <= 1
-        assert abs(float(scores[sel].mean()) - c["mean_score"]) < 0.02
+        assert abs(float(scores[sel].mean()) - c["mean_score"]) < 0.01 + 1.0 / c["n_positions"]
     m = router.meta["metrics"]
     assert m["auc_divergent"] > m["entropy_auc_divergent"], "the shipped router must rank divergent tokens better than entropy"
 
