@@ -36,7 +36,7 @@ import numpy as np
 
 from models.registry import ModelInfo
 from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaModel
-from shared.protocol import SamplingParams
+from shared.protocol import NEXT_TOP, SamplingParams
 from shared.sampling import Sampler, log_softmax_at
 
 if TYPE_CHECKING:
@@ -62,15 +62,34 @@ class SeqState:
     evicted: bool = False  # was evicted since its last decode (counts a restore)
     ready: np.ndarray | None = None  # logits of the next position, kept by a prefill; valid while ready_len == len(history)
     ready_len: int = -1
+    guess: int = -1  # the token announced for the next position (a `next` message), written if asked there
+    guess_logprob: float = 0.0
 
     def take_ready(self) -> np.ndarray | None:
         """The kept next-position logits if they still describe the history (then forgotten)."""
         logits, self.ready, ready_len, self.ready_len = self.ready, None, self.ready_len, -1
-        return logits if logits is not None and ready_len == len(self.history) else None
+        if logits is None or ready_len != len(self.history):
+            self.guess = -1
+            return None
+        return logits
 
     def keep_ready(self, logits: np.ndarray) -> None:
         self.ready = logits.copy()
         self.ready_len = len(self.history)
+        self.guess = -1
+
+    def drop_ready(self) -> None:
+        self.ready, self.ready_len, self.guess = None, -1, -1
+
+
+@dataclass(slots=True)
+class Guess:
+    """What `peek_next` announces: the next token and the cloud's most likely tokens there."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -278,7 +297,7 @@ class CloudEngine:
         if n > len(s.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(s.history)} tokens")
         del s.history[n:]
-        s.ready = None  # the same length may come back with other tokens
+        s.drop_ready()  # the same length may come back with other tokens
         if s.n_decoded > n:
             if s.seq >= 0:
                 self.ctx.truncate(s.seq, n)
@@ -312,7 +331,7 @@ class CloudEngine:
         t0 = time.perf_counter()
         ready = s.take_ready()
         if ready is not None:
-            token, logprob = self._sample_from(s, ready)
+            token, logprob = self._write_ready(s, ready)
         else:
             self._stale_last(s)
             out = self._decode(s, len(s.history), want_logits=True)
@@ -330,6 +349,30 @@ class CloudEngine:
                 s.n_decoded -= 1
             else:
                 self._drop_saved(s)  # rebuilt by re-prefill
+
+    def peek_next(self, seq: int, top: int = NEXT_TOP) -> Guess:
+        """The token the session would write next, from the kept logits, without writing it,
+        with the `top` most likely tokens there; token -1 when no kept logits describe the
+        history. The choice is remembered, so a later generate at this position writes this
+        very token (a `next` message promised it), even when sampling is random."""
+        s = self._seqs[seq]
+        if s.ready is None or s.ready_len != len(s.history):
+            return Guess(-1, 0.0, [], [])
+        if s.guess < 0:
+            s.guess = s.sampler.sample(s.ready)
+            s.guess_logprob = log_softmax_at(s.ready, s.guess)
+        ids = np.argpartition(s.ready, -top)[-top:]
+        ids = ids[np.argsort(-s.ready[ids], kind="stable")]
+        lse = float(np.logaddexp.reduce(s.ready, dtype=np.float64))
+        return Guess(s.guess, s.guess_logprob, [int(i) for i in ids], [float(s.ready[i]) - lse for i in ids])
+
+    def _write_ready(self, s: SeqState, logits: np.ndarray) -> tuple[int, float]:
+        """Write the next token from kept logits: the announced guess if there is one."""
+        if s.guess < 0:
+            return self._sample_from(s, logits)
+        token, logprob, s.guess = s.guess, s.guess_logprob, -1
+        s.history.append(token)
+        return token, logprob
 
     def _sample(self, s: SeqState, out: int) -> tuple[int, float]:
         return self._sample_from(s, self.ctx.logits(out))
@@ -364,7 +407,7 @@ class CloudEngine:
                 outcomes[i].error = ValueError("cannot generate from an empty history")
                 continue
             if gen and (ready := s.take_ready()) is not None:  # kept by a prefill: no decode
-                outcomes[i].done, outcomes[i].result = True, (*self._sample_from(s, ready), r.compute_s)
+                outcomes[i].done, outcomes[i].result = True, (*self._write_ready(s, ready), r.compute_s)
                 s.last_used = time.monotonic()
                 continue
             if left <= 0:

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
 from cloud_server.audit import SessionAudit
-from cloud_server.engine import EngineFull, EngineWorker
+from cloud_server.engine import EngineFull, EngineWorker, Guess
 from cloud_server.flywheel import recorder_for
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, SessionGuard
 from cloud_server.services import Services
@@ -28,6 +28,7 @@ from shared.protocol import (
     Generate,
     Hello,
     Message,
+    Next,
     ProtocolError,
     Reject,
     Rollback,
@@ -224,7 +225,20 @@ class Connection:
             self.services.metrics.hard_token_time.observe(time.perf_counter() - t_received)
             t_received = time.perf_counter()
             if final:
+                if msg.lookahead and not eog:
+                    await self._send_next(msg.request_id, position + i + 1)
                 return
+
+    async def _send_next(self, request_id: int, position: int) -> None:
+        """Lookahead: decode the token just written (the next sync's prefill would have) and
+        announce the choice its logits give for `position`. The decode is reported as
+        background prefill with the next reply; a full KV cache announces -1 rather than failing."""
+        try:
+            self.prefill_ms += 1000.0 * await self.worker.prefill(self.seq)  # type: ignore[arg-type]
+            g = await self.worker.call(self.engine.peek_next, self.seq)
+        except EngineFull:
+            g = Guess(-1, 0.0, [], [])
+        await self.send(Next(request_id=request_id, position=position, token=g.token, logprob=g.logprob, top_ids=g.top_ids, top_logprobs=g.top_logprobs))
 
     async def _verify(self, msg: Verify) -> None:
         self._check_position("verify", msg.position)

@@ -55,6 +55,7 @@ class Answer:
     bytes_down: int = 0
     round_trips: int = 0
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
+    lookahead_tokens: int = 0  # cloud tokens taken from a lookahead guess, without a round trip
     cloud_compute_ms: float = 0.0
     edge_model: str = ""
     cloud_model: str = ""
@@ -88,6 +89,7 @@ class Answer:
             "bytes_down": self.bytes_down,
             "round_trips": self.round_trips,
             "cloud_timeouts": self.cloud_timeouts,
+            "lookahead_tokens": self.lookahead_tokens,
             "cloud_compute_ms": round(self.cloud_compute_ms, 3),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,

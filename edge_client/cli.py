@@ -38,6 +38,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=4, help="send device tokens to the cloud after N (0 = only with hard tokens)")
     p.add_argument("--cloud-timeout", type=float, default=2.0, help="seconds to wait for a hard token before finishing on the device")
+    p.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess for the token after each cloud token")
+    p.add_argument("--lookahead-nats", type=float, default=1.0,
+                   help="take the cloud's guess where it finds the device's token this many nats less likely (0: wherever they differ)")
     p.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
 
 
@@ -60,6 +63,8 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         seed=args.seed,
         sync_every=args.sync_every,
         cloud_timeout_s=args.cloud_timeout,
+        lookahead=not args.no_lookahead,
+        lookahead_nats=args.lookahead_nats,
         system_prompt=args.system_prompt,
     )
 

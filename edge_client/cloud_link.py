@@ -30,6 +30,7 @@ from shared.protocol import (
     Generate,
     Hello,
     Message,
+    Next,
     ProtocolError,
     Reject,
     Rollback,
@@ -85,6 +86,25 @@ class CloudToken:
     token: int
     logprob: float
     eog: bool
+
+
+@dataclass(slots=True)
+class CloudGuess:
+    """The cloud's lookahead guess for the next position (a `next` message)."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    def regret(self, token: int) -> float:
+        """How much less likely the cloud finds `token` than its own guess, in nats; infinite
+        for a token outside the cloud's top list (unknown, and at least that list's spread)."""
+        if token == self.token:
+            return 0.0
+        if token in self.top_ids:
+            return self.logprob - self.top_logprobs[self.top_ids.index(token)]
+        return float("inf")
 
 
 class CloudLink:
@@ -188,12 +208,14 @@ class CloudLink:
         hidden: np.ndarray | None = None,
         max_tokens: int = 1,
         on_token: Callable[[CloudToken], bool] | None = None,
+        lookahead: bool = False,
     ) -> list[CloudToken]:
         """Send `pending` device tokens plus a hard-token request; returns the cloud's tokens.
 
         With max_tokens > 1 the cloud streams; `on_token` sees each token as it
         arrives and may return False to stop listening (the link then closes,
-        since the cloud is still writing).
+        since the cloud is still writing). With `lookahead` the cloud then sends
+        its guess for the following position: read it with `next_guess`.
         """
         request_id = self._next_request
         self._next_request += 1
@@ -206,6 +228,7 @@ class CloudLink:
                 proposed=proposed,
                 max_tokens=max_tokens,
                 hidden=None if hidden is None else hidden.astype(np.float16),
+                lookahead=lookahead,
             )
         )
         self.cloud_len += len(pending)
@@ -245,6 +268,29 @@ class CloudLink:
         self.stats.round_trips += 1
         self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
         return out
+
+    def next_guess(self, timeout_s: float) -> CloudGuess | None:
+        """The cloud's guess for the position after its last token (the `next` message of the
+        last generate, sent with lookahead), or None if it did not come within `timeout_s` or
+        the cloud had none. Only valid while the device has added nothing since that token.
+        A guess that comes too late is skipped by later reads, like a stale reply."""
+        request_id = self._next_request - 1
+        deadline = time.perf_counter() + timeout_s
+        while (left := deadline - time.perf_counter()) > 0:
+            try:
+                reply = self._recv(left)
+            except CloudTimeout:
+                return None
+            if isinstance(reply, Error):
+                if reply.request_id in (None, request_id):
+                    self.close_quietly()
+                    raise CloudError(reply)
+                continue
+            if isinstance(reply, Next) and reply.request_id == request_id:
+                if reply.token < 0 or reply.position != self.cloud_len:
+                    return None
+                return CloudGuess(reply.token, reply.logprob, reply.top_ids, reply.top_logprobs)
+        return None
 
     def verify(self, tokens: list[int], check: list[int], bonus: bool = False) -> Verdict:
         """Send the tokens the cloud lacks and have it check the drafts at `check` offsets.

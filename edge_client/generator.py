@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edge_client.answer import Answer, Latency, Route, TokenEvent
-from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats, session_holding
+from edge_client.cloud_link import CloudError, CloudGuess, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats, session_holding
 from edge_client.decoder import EdgeDecoder
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
@@ -64,6 +64,11 @@ class GeneratorOptions:
     seed: int = 0
     sync_every: int = 4  # send device tokens eagerly after this many (0 = only with hard tokens)
     cloud_timeout_s: float = 2.0
+    # After each cloud token, take the cloud's guess for the next position where the device's
+    # own token differs (no router, no round trip; docs/architecture.md, "Lookahead").
+    lookahead: bool = True
+    lookahead_nats: float = 1.0  # take the guess where the cloud finds the device's token this much less likely
+    lookahead_wait_s: float = 0.1  # longest wait for that guess; then the router decides as usual
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     n_ctx: int = 4096
     # One llama.cpp thread: a 135M model is memory-bound, and a second thread's
@@ -82,6 +87,9 @@ class RoutedGenerator:
         sync_every: int = 4,
         n_ctx: int = 4096,
         threads: int = 1,
+        lookahead: bool = False,
+        lookahead_nats: float = 1.0,
+        lookahead_wait_s: float = 0.1,
     ) -> None:
         self.edge = edge
         self.decoder = EdgeDecoder(edge, n_ctx=n_ctx, threads=threads)
@@ -89,6 +97,9 @@ class RoutedGenerator:
         self.policy = policy
         self.sampling = sampling
         self.sync_every = sync_every
+        self.lookahead = lookahead
+        self.lookahead_nats = lookahead_nats
+        self.lookahead_wait_s = lookahead_wait_s
         self._connect = connect
         self.link: CloudLink | None = None
         self.last_cloud_error: str = ""
@@ -212,22 +223,31 @@ class RoutedGenerator:
                 return True
             return len(answer.tokens) >= max_tokens or (stop is not None and stop.is_set())
 
+        guess_due = False  # the last token came from the cloud with a lookahead guess to follow
         while not finished():
             if self.policy.mode == "cloud" and self.link is not None:
                 self._stream_from_cloud(answer, max_tokens, accept, stop)
                 continue  # finished, or the stream broke off and the device carries on
             logits, hidden = self.decoder.next_distribution()
             proposed = sampler.sample(logits)
-            t0 = time.perf_counter()
-            score = self.router.score(hidden, logits, proposed)
-            hard = self.policy.decide(score)
-            router_ms.append((time.perf_counter() - t0) * 1000.0)
-            token, route, fallback = proposed, "edge", False
-            if hard and self.link is not None:
-                cloud_token = self._ask_cloud(proposed, hidden)
-                if cloud_token is not None:
-                    token, route = cloud_token.token, "cloud"
-            fallback = hard and route == "edge" and use_cloud
+            guess = self._take_guess() if guess_due else None
+            guess_due = False
+            token, route, fallback, score = proposed, "edge", False, None
+            if guess is not None:  # the cloud's own choice is known: no router, no round trip
+                if guess.regret(proposed) > self.lookahead_nats:
+                    token, route = guess.token, "cloud"
+                    answer.lookahead_tokens += 1
+            else:
+                t0 = time.perf_counter()
+                score = self.router.score(hidden, logits, proposed)
+                hard = self.policy.decide(score)
+                router_ms.append((time.perf_counter() - t0) * 1000.0)
+                if hard and self.link is not None:
+                    cloud_token = self._ask_cloud(proposed, hidden)
+                    if cloud_token is not None:
+                        token, route = cloud_token.token, "cloud"
+                        guess_due = self.lookahead
+                fallback = hard and route == "edge" and use_cloud
             self.decoder.append(token)
             accept(token, route, score, fallback)
             self._maybe_sync()
@@ -272,7 +292,7 @@ class RoutedGenerator:
         assert self.link is not None
         pending = self.decoder.history[self.link.cloud_len :]
         try:
-            return self.link.generate(pending, proposed=proposed, hidden=hidden, max_tokens=1)[0]
+            return self.link.generate(pending, proposed=proposed, hidden=hidden, max_tokens=1, lookahead=self.lookahead)[0]
         except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
             self.cloud_timeouts += 1
             if self.link is not None and self.link.consecutive_timeouts >= self.max_consecutive_timeouts:
@@ -284,10 +304,21 @@ class RoutedGenerator:
             if self.link is None:
                 return None
             try:  # reconnected mid-answer: the rebuilt session holds the whole history
-                return self.link.generate([], proposed=proposed, hidden=hidden, max_tokens=1)[0]
+                return self.link.generate([], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=self.lookahead)[0]
             except (CloudUnavailable, CloudError, IndexError) as exc2:
                 self._lose_cloud(exc2)
                 return None
+
+    def _take_guess(self) -> CloudGuess | None:
+        """The cloud's lookahead guess for this position, or None (late, none, or the cloud lost)."""
+        link = self.link
+        if link is None:
+            return None
+        try:
+            return link.next_guess(self.lookahead_wait_s)
+        except (CloudUnavailable, CloudError) as exc:
+            self._lose_cloud(exc)
+            return None
 
     def _maybe_sync(self) -> None:
         link = self.link
@@ -431,6 +462,9 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
             sync_every=opts.sync_every,
             n_ctx=opts.n_ctx,
             threads=opts.threads,
+            lookahead=opts.lookahead,
+            lookahead_nats=opts.lookahead_nats,
+            lookahead_wait_s=opts.lookahead_wait_s,
         )
         try:
             yield gen

@@ -27,6 +27,7 @@ import numpy as np
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default limit for one frame, both directions
 MAX_TOKENS_PER_MESSAGE = 8192
+NEXT_TOP = 8  # how many of its most likely tokens the cloud lists in a `next` message
 
 
 class ErrorCode:
@@ -119,6 +120,8 @@ class Generate:
 
     `hidden` (binary payload, float16) is the device model's final hidden state at
     the position; `proposed` is the token the device would have written there.
+    With `lookahead` the cloud also sends, after its last token, a `next`
+    message: its own choice for the following position (see Next).
     """
 
     type: ClassVar[str] = "generate"
@@ -128,6 +131,7 @@ class Generate:
     proposed: int = -1
     max_tokens: int = 1
     hidden: np.ndarray | None = None
+    lookahead: bool = False
 
 
 @dataclass(slots=True)
@@ -143,6 +147,28 @@ class Tokens:
     final: bool = True
     eog: bool = False  # the last id ends the generation
     prefill_ms: float = 0.0  # background prefill (after sync) since the previous reply: cost, but not waited for
+
+
+@dataclass(slots=True)
+class Next:
+    """Cloud -> device, after the final `tokens` of a generate that asked for lookahead: the
+    token the cloud would write at `position` (the one after its last), not yet in the history.
+
+    Why: decoding its own last token, which the cloud must do anyway, yields this choice
+    for free. If the device's token there differs, the device can take this one without
+    another round trip; if the device then asks at `position` with no new tokens, the
+    cloud writes exactly this token. -1: none (the answer ended, or the cloud could not).
+    `top_ids`/`top_logprobs` are the cloud's most likely tokens there, most likely first,
+    so the device can tell how much worse its own token is (its regret).
+    """
+
+    type: ClassVar[str] = "next"
+    request_id: int
+    position: int
+    token: int
+    logprob: float = 0.0
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -206,9 +232,9 @@ class Error:
     request_id: int | None = None
 
 
-Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Verify, Verdict, Rollback, Close, Error]
+Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error]
 MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Verify, Verdict, Rollback, Close, Error)
+    cls.type: cls for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error)
 }
 _HINTS = {cls: get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 
@@ -335,6 +361,8 @@ def _check_ranges(msg: Message) -> None:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: check offsets must be ascending, unique and within [0, {n})")
         if not msg.tokens:
             raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tokens must not be empty")
+    if isinstance(msg, Next) and len(msg.top_ids) != len(msg.top_logprobs):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "next: top_ids and top_logprobs must have the same length")
     if isinstance(msg, Generate) and msg.max_tokens < 1:
         raise ProtocolError(ErrorCode.BAD_FIELD, "generate: max_tokens must be >= 1")
     if isinstance(msg, Hello):

@@ -55,3 +55,28 @@ def reference_greedy(info: ModelInfo, messages: list[dict], max_tokens: int) -> 
     finally:
         ctx.close()
         model.close()
+
+
+def teacher_forced_logits(info: ModelInfo, messages: list[dict], answer: list[int]) -> list[np.ndarray]:
+    """The model's logits at every position of `answer`, reading the answer's own tokens
+    (teacher forcing), one decode per token as a model runs alone."""
+    model = LlamaModel(info)
+    ctx = LlamaContext(model, n_ctx=2048, embeddings=False)
+    try:
+        prompt = model.chat_tokens(messages)
+        ctx.decode([DecodeItem(0, 0, prompt[:-1])])
+        ctx.decode_one(0, len(prompt) - 1, prompt[-1])
+        out: list[np.ndarray] = []
+        for pos, token in enumerate(answer, start=len(prompt)):
+            out.append(ctx.logits(0).copy())
+            ctx.decode_one(0, pos, token)
+        return out
+    finally:
+        ctx.close()
+        model.close()
+
+
+def is_greedy_choice(logits: np.ndarray, token: int, tie: float = 0.25) -> bool:
+    """`token` is the argmax of `logits`, or within `tie` of it: llama.cpp's kernels are not
+    batch-invariant, so a near-tie can fall either way depending on how the history was batched."""
+    return bool(logits[token] >= logits.max() - tie)

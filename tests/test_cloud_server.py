@@ -15,7 +15,7 @@ from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink, CloudRejected
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.llama_backend import LlamaModel
-from shared.protocol import PROTOCOL_VERSION, MAX_MESSAGE_BYTES, ErrorCode, Generate, Hello, SamplingParams, Sync, decode, encode
+from shared.protocol import PROTOCOL_VERSION, MAX_MESSAGE_BYTES, ErrorCode, Generate, Hello, Next, SamplingParams, Sync, decode, encode
 from tests.conftest import chat
 from tests.helpers import make_generator
 
@@ -117,6 +117,33 @@ def test_bad_frames_get_errors_and_the_server_keeps_serving(cloud_server, edge_i
         gen.close()
         edge.close()
     assert get_json(cloud_server.http_url + "/healthz")["sessions"] == 0
+
+
+def test_lookahead_sends_the_next_token_the_cloud_then_writes(cloud_server, edge_info):
+    """Over a raw WebSocket: a generate with lookahead is answered by its token and then a `next`
+    for the following position, which is not in the history (a device token there is accepted)
+    and is exactly what a generate at that position writes. A `next` from the device is refused."""
+    with connect(cloud_server.url, max_size=None) as ws:
+        accept = exchange(ws, encode(hello(cloud_server, edge_info)))
+        n = accept.n_prompt
+        tok = exchange(ws, encode(Generate(request_id=1, position=n, tokens=[], lookahead=True)))
+        assert tok.type == "tokens" and tok.position == n and tok.final
+        nxt = decode(ws.recv(timeout=10))
+        assert nxt.type == "next" and nxt.request_id == 1 and nxt.position == n + 1 and nxt.token >= 0
+        assert nxt.top_ids[0] == nxt.token and len(nxt.top_ids) == len(nxt.top_logprobs) == 8
+        assert nxt.top_logprobs[0] == pytest.approx(nxt.logprob, abs=1e-5) and all(a >= b for a, b in zip(nxt.top_logprobs, nxt.top_logprobs[1:]))
+        second = exchange(ws, encode(Generate(request_id=2, position=n + 1, tokens=[])))
+        assert second.ids == [nxt.token] and second.logprobs[0] == pytest.approx(nxt.logprob, abs=1e-5)
+
+        # the device writes its own token after a guess instead: the guess is forgotten
+        exchange(ws, encode(Generate(request_id=3, position=n + 2, tokens=[], lookahead=True)))
+        other = decode(ws.recv(timeout=10)).top_ids[1]
+        ws.send(encode(Sync(position=n + 3, tokens=[other])))
+        after = exchange(ws, encode(Generate(request_id=4, position=n + 4, tokens=[])))
+        assert after.type == "tokens" and after.position == n + 4
+
+        reply = exchange(ws, encode(Next(request_id=5, position=n + 5, token=1)))
+        assert reply.type == "error" and reply.code == ErrorCode.OUT_OF_ORDER
 
 
 def test_server_killed_mid_answer_device_finishes_and_reconnects(edge_info):

@@ -17,6 +17,7 @@ from shared.protocol import (
     ErrorCode,
     Generate,
     Hello,
+    Next,
     ProtocolError,
     Reject,
     Rollback,
@@ -34,14 +35,16 @@ MESSAGES = [
     Sync(position=12, tokens=[1, 2, 3]),
     Generate(request_id=4, position=15, tokens=[7], proposed=9, max_tokens=1, hidden=np.linspace(-1, 1, 576, dtype=np.float32)),
     Generate(request_id=5, position=16, tokens=[], max_tokens=64),
+    Generate(request_id=6, position=16, tokens=[3], proposed=2, lookahead=True),
     Tokens(request_id=4, position=16, ids=[42], logprobs=[-0.25], compute_ms=3.5, final=True, eog=False),
+    Next(request_id=4, position=17, token=77, logprob=-0.5),
     Rollback(position=10),
     Close(reason="bye"),
     Error(code="bad_frame", message="nope", request_id=None),
 ]
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.type)
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: f"{m.type}-{getattr(m, 'request_id', '')}")
 def test_round_trip(msg):
     frame = encode(msg)
     back = decode(frame)
@@ -75,6 +78,7 @@ def test_hidden_state_travels_as_binary_float16():
         ('{"type": "sync", "position": -1, "tokens": []}', ErrorCode.BAD_FIELD),
         ('{"type": "sync", "position": 1, "tokens": [true]}', ErrorCode.BAD_FIELD),
         ('{"type": "generate", "request_id": 1, "position": 0, "tokens": [], "max_tokens": 0}', ErrorCode.BAD_FIELD),
+        ('{"type": "generate", "request_id": 1, "position": 0, "tokens": [], "lookahead": 1}', ErrorCode.BAD_FIELD),
         ('{"type": "generate", "request_id": 1, "position": 0, "tokens": [], "hidden_dim": 4}', ErrorCode.BAD_FRAME),
         ('{"type": "hello", "version": 1, "api_key": "", "edge_model": "", "tokenizer": "", "messages": [{"role": 1}]}', ErrorCode.BAD_FIELD),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from edge_client.generator import RoutedGenerator
@@ -11,7 +12,7 @@ from shared.llama_backend import LlamaModel
 from shared.policy import replay_decisions
 from shared.router import RandomRouter
 from tests.conftest import QUESTIONS, chat
-from tests.helpers import make_generator, reference_greedy
+from tests.helpers import make_generator, reference_greedy, teacher_forced_logits, is_greedy_choice
 
 MAX_TOKENS = 40
 
@@ -103,6 +104,48 @@ def test_router_routes_exactly_the_tokens_over_threshold(edge_model, cloud_serve
             total_cloud += a.n_cloud_tokens
             assert a.round_trips == a.n_cloud_tokens  # one round trip per hard token
         assert total_cloud > 0
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("nats", [0.0, 1.0])
+def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(edge_model, edge_info, cloud_info, cloud_server, nats):
+    """With lookahead, the position right after each routed token is decided by the cloud's
+    guess, not the router: the device keeps its own token where the cloud finds it at most
+    `nats` less likely than the guess, and takes the guess (no round trip) elsewhere. Every
+    other position is routed by the threshold as before. Checked against both models run
+    alone over the answer (teacher forcing), with a small tolerance for llama.cpp's
+    batch-dependent rounding."""
+    threshold, tol = 0.3, 0.15
+    gen = make_generator(edge_model, cloud_server, threshold=threshold)
+    gen.lookahead, gen.lookahead_nats, gen.lookahead_wait_s = True, nats, 5.0  # a guess is never late here
+    try:
+        taken = kept = 0
+        for q in QUESTIONS:
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            assert not a.degraded
+            cloud = teacher_forced_logits(cloud_info, chat(q), a.tokens)
+            edge = teacher_forced_logits(edge_info, chat(q), a.tokens)
+            for i, (token, route, score) in enumerate(zip(a.tokens, a.routes, a.scores)):
+                after_round_trip = i > 0 and a.routes[i - 1] == "cloud" and a.scores[i - 1] is not None
+                assert (score is None) == after_round_trip, f"position {i}: guessed positions are exactly those after a round trip"
+                writer = cloud if route == "cloud" else edge
+                assert is_greedy_choice(writer[i], token), f"position {i}: not the {route} model's own choice"
+                if score is not None:
+                    assert (route == "cloud") == (score >= threshold)
+                    continue
+                logp = cloud[i] - np.logaddexp.reduce(cloud[i].astype(np.float64))
+                if route == "edge":  # kept: the cloud finds the device's token nearly as likely
+                    assert logp.max() - logp[token] <= nats + tol
+                    kept += 1
+                else:  # taken: the device's own choice (one of its near-greedy tokens) was worse to the cloud
+                    own = [int(e) for e in np.nonzero(edge[i] >= edge[i].max() - 0.25)[0] if e != token]
+                    assert any(logp[token] - logp[e] > nats - tol for e in own), f"position {i}: guess taken without cause"
+                    taken += 1
+            guessed = sum(1 for r, s in zip(a.routes, a.scores) if r == "cloud" and s is None)
+            assert a.lookahead_tokens == guessed
+            assert a.round_trips == a.n_cloud_tokens - guessed, "a taken guess needs no round trip"
+        assert taken > 0 and kept > 0, "the default pair both agrees and disagrees right after routed tokens"
     finally:
         gen.close()
 

@@ -119,6 +119,46 @@ def test_a_prefill_keeps_the_next_token_ready_and_a_rollback_drops_it(cloud_info
         ref_w.shutdown()
 
 
+def test_a_lookahead_guess_is_the_token_written_next_and_new_tokens_drop_it(cloud_info):
+    """peek_next announces the next token without writing it; a generate at that position then
+    writes exactly that token without a decode, even with random sampling (where sampling again
+    would mostly differ). Tokens appended after the guess make it stale: the next token is then
+    decoded afresh."""
+    eng, w, rec = make(cloud_info, n_ctx=2048, max_sessions=4)
+    try:
+        async def main() -> None:
+            prompt = prompt_of(eng, "tell me a story about a dragon")
+            hot = SamplingParams(temperature=1.5, top_p=1.0, top_k=1000, seed=7)
+            h = await w.call(eng.open, prompt, hot)
+            guesses, written = [], []
+            for _ in range(12):
+                await w.prefill(h)
+                g = await w.call(eng.peek_next, h)
+                assert g.token >= 0 and g.logprob <= 0.0
+                assert await w.call(eng.peek_next, h) == g, "asking twice must not re-sample"
+                assert len(g.top_ids) == 8 and g.top_logprobs == sorted(g.top_logprobs, reverse=True)
+                assert g.token not in g.top_ids or g.top_logprobs[g.top_ids.index(g.token)] == pytest.approx(g.logprob, abs=1e-4)
+                assert len(eng.history(h)) == len(prompt) + len(written), "a guess is not part of the history"
+                decodes = len(rec.batches)
+                token, logprob, _ = await w.generate(h)
+                assert len(rec.batches) == decodes
+                assert logprob == g.logprob
+                guesses.append(g.token)
+                written.append(token)
+            assert written == guesses
+
+            await w.prefill(h)
+            stale = (await w.call(eng.peek_next, h)).token
+            await w.call(eng.append, h, [stale])  # the device wrote its own token there
+            assert (await w.call(eng.peek_next, h)).token == -1, "no kept logits describe the longer history"
+            decodes = len(rec.batches)
+            await w.generate(h)
+            assert len(rec.batches) > decodes
+        asyncio.run(main())
+    finally:
+        w.shutdown()
+
+
 def test_kv_budget_evicts_idle_sessions_lru_and_save_mode_restores_exactly(cloud_info):
     """One KV slot, three sessions taking turns: each turn evicts the other; saved state restores bit-exact."""
     ref_eng, ref_w, _ = make(cloud_info, n_ctx=2048, max_sessions=4)

@@ -158,20 +158,26 @@ def test_eval_json_object(router_file, tmp_path, capsys):
     assert (tmp_path / "ev.json").is_file() and (tmp_path / "ev.png").stat().st_size > 1000
 
 
-def test_eval_side_by_side_routers_share_one_run(router_file, tmp_path, capsys):
+def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     """`eval --also`: another router in the same run. The same router under another name must give
-    exactly the main router's curve (same decisions, same sequences), listed as learned:<stem>."""
+    exactly the main router's curve (same decisions, same sequences), listed as learned:<stem>.
+    `--lookahead learned` adds the router with the cloud's guesses, whose taken guesses are
+    counted among its cloud tokens (and never among the plain router's)."""
     import shutil
 
     copy = tmp_path / "same-router.npz"
-    shutil.copy(router_file[0], copy)
+    shutil.copy(DEFAULT_ROUTER, copy)
     prompts = tmp_path / "p.txt"
     prompts.write_text("what is the capital of france\nset an alarm for seven\n")
-    train_main(["eval", "--router", str(router_file[0]), "--also", str(copy), "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
-                "--out", str(tmp_path / "ev"), "--json"])
+    train_main(["eval", "--router", str(DEFAULT_ROUTER), "--also", str(copy), "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
+                "--lookahead", "learned", "--lookahead-nats", "0", "--out", str(tmp_path / "ev"), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["methods"]["learned:same-router"] == result["methods"]["learned"]
-    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router"}
+    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router", "learned+lookahead@0"}
+    la = result["methods"]["learned+lookahead@0"]
+    assert all(p["lookahead_fraction"] <= p["cloud_fraction"] for p in la)
+    assert all(p["lookahead_fraction"] == 0 for p in result["methods"]["learned"])
+    assert any(p["lookahead_fraction"] > 0 for p in la), "the two models disagree right after some routed token"
     assert result["also"] == [str(copy)]
     for m, (lo, hi) in result["gap_recovered_at_30_ci95"].items():  # the full sample is one of the resamples
         gap = result["gap_recovered_at_30"][m]

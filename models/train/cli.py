@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2, help="prompts decoded together (29 configurations each)")
     p.add_argument("--also", type=Path, action="append", default=[], metavar="ROUTER",
                    help="another learned router file to evaluate side by side in the same run (repeatable)")
+    p.add_argument("--lookahead", action="append", default=[], choices=["learned", "entropy", "random"],
+                   help="also run METHOD with the cloud's next-token guess after each routed token, as METHOD+lookahead@NATS (repeatable; docs/router.md)")
+    p.add_argument("--lookahead-nats", type=float, action="append", default=[], metavar="NATS",
+                   help="take a guess only where the device's token is NATS less likely to the cloud (repeatable; default 1)")
 
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
@@ -151,7 +155,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.split = ["val"]
     prompts, source = _prompts(args)
     opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch,
-                       also=tuple(args.also))
+                       also=tuple(args.also), lookahead=tuple(args.lookahead), lookahead_nats=tuple(args.lookahead_nats or [1.0]))
     bar = None
     if not args.json:
         try:

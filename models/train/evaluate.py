@@ -43,6 +43,7 @@ from models.train.pair import PairStepper, log_softmax_row
 from shared.textmetrics import rouge_l_f1, token_agreement
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.policy import PolicyConfig, RoutingPolicy
+from shared.protocol import NEXT_TOP
 from shared.router import HeuristicRouter, RandomRouter
 
 METHODS = ("learned", "entropy", "random")
@@ -62,6 +63,8 @@ class EvalOptions:
     seed: int = 0
     progress: bool = True
     also: tuple[Path, ...] = ()  # more learned routers, evaluated side by side
+    lookahead: tuple[str, ...] = ()  # methods also run with the cloud's next-token guess, as "<method>+lookahead@<nats>"
+    lookahead_nats: tuple[float, ...] = (1.0,)  # take a guess when the device's token is this much less likely to the cloud
 
 
 @dataclass(slots=True)
@@ -72,6 +75,10 @@ class _Run:
     policy: RoutingPolicy | None  # None: edge-only / cloud-only
     router: Any = None
     cloud_only: bool = False
+    lookahead: bool = False  # after a round-trip cloud token, take the guess that came with it when it differs
+    lookahead_nats: float = 0.0  # ... by more than this regret
+    guess_ready: bool = False
+    guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
     tokens: list[int] = field(default_factory=list)
     routed: int = 0
     nll: float = 0.0
@@ -97,6 +104,10 @@ def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: 
             thresholds[name], routers[name] = r.threshold_for_fraction(f), r
         for m in thresholds:
             runs.append(_Run(m, f, prompt, RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0))), routers[m]))
+        for m in opts.lookahead:
+            for nats in opts.lookahead_nats:
+                runs.append(_Run(f"{m}+lookahead@{nats:g}", f, prompt, RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0))), routers[m],
+                                 lookahead=True, lookahead_nats=nats))
     return runs
 
 
@@ -168,11 +179,19 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
                 cache[(0, seq)] = (int(np.argmax(v.cloud_logits)), int(np.argmax(v.edge_logits)), log_softmax_row(v.cloud_logits)[1])
             cloud_tok, proposed, lse = cache[(0, seq)]
             hard = run.cloud_only
-            if run.policy is not None:
+            if run.guess_ready:  # the cloud sent its guess (and its top 8) with its last token: the device's rule
+                hard = proposed != cloud_tok and (
+                    float(v.cloud_logits[cloud_tok] - v.cloud_logits[proposed]) > run.lookahead_nats
+                    or int(np.count_nonzero(v.cloud_logits > v.cloud_logits[proposed])) >= NEXT_TOP
+                )
+                run.guessed += int(hard)
+                run.guess_ready = False
+            elif run.policy is not None:
                 key = (id(run.router), seq)
                 if isinstance(run.router, RandomRouter) or key not in cache:
                     cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
                 hard = run.policy.decide(cache[key])
+                run.guess_ready = run.lookahead and hard
             tok = cloud_tok if hard else proposed  # greedy, as the generator's Sampler at temperature 0
             run.nll += lse - float(v.cloud_logits[tok])
             run.routed += int(hard)
@@ -214,6 +233,7 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
         return {
             "target_fraction": target,
             "cloud_fraction": round(sum(r.routed for r, _ in items) / max(n, 1), 4),
+            "lookahead_fraction": round(sum(r.guessed for r, _ in items) / max(n, 1), 4),  # cloud tokens that needed no round trip
             "cloud_nll": round(sum(r.nll for r, _ in items) / max(n, 1), 4),
             "rouge_l": round(float(np.mean([rouge_l_f1(t, by_prompt_cloud[r.prompt][1]) for r, t in items])), 4),
             "token_agreement": round(float(np.mean([token_agreement(r.tokens, by_prompt_cloud[r.prompt][0].tokens) for r, t in items])), 4),
