@@ -56,6 +56,7 @@ class Answer:
     round_trips: int = 0
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     lookahead_tokens: int = 0  # cloud tokens taken from a lookahead guess, without a round trip
+    lookahead_positions: list[int] = field(default_factory=list)  # answer indices decided with a guess in hand
     cloud_compute_ms: float = 0.0
     edge_model: str = ""
     cloud_model: str = ""
@@ -90,6 +91,7 @@ class Answer:
             "round_trips": self.round_trips,
             "cloud_timeouts": self.cloud_timeouts,
             "lookahead_tokens": self.lookahead_tokens,
+            "lookahead_positions": self.lookahead_positions,
             "cloud_compute_ms": round(self.cloud_compute_ms, 3),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,
