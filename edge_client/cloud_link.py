@@ -242,10 +242,7 @@ class CloudLink:
                 self.consecutive_timeouts += 1
                 self.rollback(self.cloud_len)
                 raise
-            if isinstance(reply, Error):
-                if reply.request_id in (None, request_id):
-                    self.close_quietly()
-                    raise CloudError(reply)
+            if self._stale_error(reply, request_id):
                 continue
             if not isinstance(reply, Tokens) or reply.request_id != request_id:
                 continue  # a stale reply to an abandoned request
@@ -281,10 +278,7 @@ class CloudLink:
                 reply = self._recv(left)
             except CloudTimeout:
                 return None
-            if isinstance(reply, Error):
-                if reply.request_id in (None, request_id):
-                    self.close_quietly()
-                    raise CloudError(reply)
+            if self._stale_error(reply, request_id):
                 continue
             if isinstance(reply, Next) and reply.request_id == request_id:
                 if reply.token < 0 or reply.position != self.cloud_len:
@@ -306,10 +300,7 @@ class CloudLink:
         t0 = time.perf_counter()
         while True:
             reply = self._recv(self.timeout_s)
-            if isinstance(reply, Error):
-                if reply.request_id in (None, request_id):
-                    self.close_quietly()
-                    raise CloudError(reply)
+            if self._stale_error(reply, request_id):
                 continue
             if isinstance(reply, Verdict) and reply.request_id == request_id:
                 break
@@ -324,6 +315,16 @@ class CloudLink:
         return reply
 
     # ---------------------------------------------------------------- framing
+
+    def _stale_error(self, reply: Message, request_id: int) -> bool:
+        """True for an `error` answering an earlier, abandoned request (skip it). An error for
+        `request_id`, or for no request, closes the link and raises CloudError."""
+        if not isinstance(reply, Error):
+            return False
+        if reply.request_id in (None, request_id):
+            self.close_quietly()
+            raise CloudError(reply)
+        return True
 
     def _send(self, msg: Message) -> None:
         if self._ws is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import numpy as np
 
 from cloud_server.local import LocalCloudServer
@@ -34,16 +37,27 @@ def make_generator(
     return RoutedGenerator(edge, router or HeuristicRouter("entropy", edge.n_vocab), policy, SamplingParams(), connect=connect, sync_every=sync_every)
 
 
-def reference_greedy(info: ModelInfo, messages: list[dict], max_tokens: int) -> list[int]:
-    """Greedy decode straight on llama.cpp, token by token, as a model runs alone."""
+@contextlib.contextmanager
+def model_alone(info: ModelInfo, messages: list[dict]) -> Iterator[tuple[LlamaModel, LlamaContext, int]]:
+    """A model on its own context with the chat prompt decoded (its last token on its own, as in
+    token-by-token generation): yields (model, context, prompt length); logits(0) is then the
+    first answer position's."""
     model = LlamaModel(info)
     ctx = LlamaContext(model, n_ctx=2048, embeddings=False)
     try:
         prompt = model.chat_tokens(messages)
         ctx.decode([DecodeItem(0, 0, prompt[:-1])])
         ctx.decode_one(0, len(prompt) - 1, prompt[-1])
+        yield model, ctx, len(prompt)
+    finally:
+        ctx.close()
+        model.close()
+
+
+def reference_greedy(info: ModelInfo, messages: list[dict], max_tokens: int) -> list[int]:
+    """Greedy decode straight on llama.cpp, token by token, as a model runs alone."""
+    with model_alone(info, messages) as (model, ctx, pos):
         out: list[int] = []
-        pos = len(prompt)
         while len(out) < max_tokens:
             token = int(np.argmax(ctx.logits(0)))
             out.append(token)
@@ -52,28 +66,17 @@ def reference_greedy(info: ModelInfo, messages: list[dict], max_tokens: int) -> 
             ctx.decode_one(0, pos, token)
             pos += 1
         return out
-    finally:
-        ctx.close()
-        model.close()
 
 
 def teacher_forced_logits(info: ModelInfo, messages: list[dict], answer: list[int]) -> list[np.ndarray]:
     """The model's logits at every position of `answer`, reading the answer's own tokens
     (teacher forcing), one decode per token as a model runs alone."""
-    model = LlamaModel(info)
-    ctx = LlamaContext(model, n_ctx=2048, embeddings=False)
-    try:
-        prompt = model.chat_tokens(messages)
-        ctx.decode([DecodeItem(0, 0, prompt[:-1])])
-        ctx.decode_one(0, len(prompt) - 1, prompt[-1])
+    with model_alone(info, messages) as (_, ctx, start):
         out: list[np.ndarray] = []
-        for pos, token in enumerate(answer, start=len(prompt)):
+        for pos, token in enumerate(answer, start=start):
             out.append(ctx.logits(0).copy())
             ctx.decode_one(0, pos, token)
         return out
-    finally:
-        ctx.close()
-        model.close()
 
 
 def is_greedy_choice(logits: np.ndarray, token: int, tie: float = 0.25) -> bool:

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("models and routing")
     g.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
     g.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
-    g.add_argument("--router", default="top1", help="heuristic router (entropy, top1, margin) or a learned router file (.npz)")
+    g.add_argument("--router", default="top1", help="heuristic router (entropy, top1, margin), a learned router file (.npz), or auto (the learned router shipped for the model pair)")
     g.add_argument("--threshold", type=float, default=0.83, help="router threshold (0.83 with top1 flags ~20%% of the edge model's tokens)")
     g.add_argument("--cloud-fraction", type=float, default=None, help="calibrate the router threshold to this token fraction")
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
     todo = [s for s in sessions if s.id not in done]
     opts = RouterOptions(router=args.router, threshold=args.threshold, cloud_fraction=args.cloud_fraction, sync_every=args.sync_every,
                          span=args.span, draft_max=args.draft_max, query_threshold=args.query_threshold, temperature=args.temperature,
-                         seed=args.seed, threads=args.threads)
+                         seed=args.seed, threads=args.threads, cloud_model=args.cloud_model)
     edge_info, cloud_info = model_info(args.edge_model), model_info(args.cloud_model)
     meta = {"machine": machine_info(), "config": config, "models": {"edge": edge_info.name, "edge_fingerprint": edge_info.fingerprint,
             "cloud": cloud_info.name, "cloud_fingerprint": cloud_info.fingerprint}}

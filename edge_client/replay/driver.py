@@ -39,7 +39,7 @@ class ReplayDriver:
         self.links = links
         self.opts = opts
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
-        self.router = build_router(opts.router, edge.n_vocab, edge_info=edge.info)
+        self.router = build_router(opts.router, edge.n_vocab, edge_info=edge.info, cloud_model=opts.cloud_model)
         self.policy = make_policy(opts, "router")
         self.sampling = SamplingParams(temperature=opts.temperature, seed=opts.seed)
         self.link: CloudLink | None = None

@@ -3,6 +3,8 @@
     edge            device only                          (RoutedGenerator, policy edge)
     cloud           cloud only, streamed                 (RoutedGenerator, policy cloud)
     router-sync     wait for the cloud at each hard token (RoutedGenerator, policy router)
+    router-lookahead  router-sync plus the cloud's guess for the token after each hard one
+                    (RoutedGenerator with lookahead: the product's default)
     router-span     at a hard token the cloud writes up to --span tokens in one call
     router-verify   draft to the next clause boundary; send the flagged positions
                     in one verify; roll back to the first rejected one
@@ -30,9 +32,9 @@ from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.protocol import SamplingParams
 
-POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-span", "router-verify", "speculative")
-ROUTER_KINDS = ("router-sync", "router-span", "router-verify")
-DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-span,router-verify,speculative"
+POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-lookahead", "router-span", "router-verify", "speculative")
+ROUTER_KINDS = ("router-sync", "router-lookahead", "router-span", "router-verify")
+DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-lookahead,router-span,router-verify,speculative"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,8 @@ def parse_policies(text: str) -> list[PolicySpec]:
 class RouterOptions:
     """How hard tokens are found and handed over; shared by every router policy."""
 
-    router: str = "top1"
+    router: str = "top1"  # "auto": the learned router shipped for (edge model, cloud_model)
+    cloud_model: str = ""
     threshold: float = 0.83
     cloud_fraction: float | None = None  # calibrate the threshold online to this fraction instead
     warmup: int = 0
@@ -98,9 +101,9 @@ def make_policy(opts: RouterOptions, mode: str) -> RoutingPolicy:
 
 
 class GeneratorRunner:
-    """edge, cloud, router-sync: the project's RoutedGenerator, unchanged."""
+    """edge, cloud, router-sync, router-lookahead: the project's RoutedGenerator, unchanged."""
 
-    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router"}
+    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router", "router-lookahead": "router"}
 
     def __init__(self, spec: PolicySpec, edge: LlamaModel, links: LinkFactory | None, opts: RouterOptions) -> None:
         self.spec = spec
@@ -109,13 +112,14 @@ class GeneratorRunner:
         mode = self.MODES[spec.kind]
         self.gen = RoutedGenerator(
             edge,
-            build_router(opts.router, edge.n_vocab, edge_info=edge.info),
+            build_router(opts.router, edge.n_vocab, edge_info=edge.info, cloud_model=opts.cloud_model),
             make_policy(opts, mode),
             SamplingParams(temperature=opts.temperature, seed=opts.seed),
             connect=links if mode != "edge" else None,
             sync_every=opts.sync_every if spec.eager_sync else 0,
             n_ctx=opts.n_ctx,
             threads=opts.threads,
+            lookahead=spec.kind == "router-lookahead",
         )
 
     def start_session(self, light_mode: bool) -> None:
