@@ -112,7 +112,8 @@ def markdown(report: dict) -> str:
         f"up {prof['up_mbps'] or 'unlimited'} / down {prof['down_mbps'] or 'unlimited'} Mbit/s.",
         f"Machine: {report['machine']['cpu']} ({report['machine']['cpu_count']} CPUs), {report['machine']['platform']}.",
         f"Models: edge `{report['models']['edge']}`, cloud `{report['models']['cloud']}`; router `{report['config']['router']}` "
-        f"threshold {report['config']['threshold']}.",
+        + (f"calibrated online to {report['config']['cloud_fraction']:.0%} cloud tokens." if report["config"].get("cloud_fraction") is not None
+           else f"threshold {report['config']['threshold']}."),
         "",
         "## Latency",
         "",
