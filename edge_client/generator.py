@@ -65,8 +65,9 @@ class GeneratorOptions:
     sync_every: int = 4  # send device tokens eagerly after this many (0 = only with hard tokens)
     cloud_timeout_s: float = 2.0
     # After each hard token the cloud sends its guess for the next position; there the device
-    # takes it (no round trip) where the router routes or its own token is over lookahead_nats
-    # worse to the cloud (docs/architecture.md, "lookahead").
+    # takes it (no round trip, no router) where its own token is over lookahead_nats worse to
+    # the cloud (docs/architecture.md, "lookahead"). These cloud tokens come on top of the
+    # router's cloud_fraction.
     lookahead: bool = True
     lookahead_nats: float = 1.0  # take the guess where the cloud finds the device's token this much less likely
     lookahead_wait_s: float = 0.1  # longest wait for that guess; then the router decides as usual
@@ -233,22 +234,23 @@ class RoutedGenerator:
             proposed = sampler.sample(logits)
             guess = self._take_guess() if guess_due else None
             guess_due = False
-            t0 = time.perf_counter()
-            score = self.router.score(hidden, logits, proposed)
-            hard = self.policy.decide(score)
-            router_ms.append((time.perf_counter() - t0) * 1000.0)
-            token, route, fallback = proposed, "edge", False
-            if guess is not None:  # the cloud's own choice is known: no round trip either way
+            token, route, fallback, score = proposed, "edge", False, None
+            if guess is not None:  # the cloud's choice and how it ranks the device's token are known
                 answer.lookahead_positions.append(len(answer.tokens))
-                if hard or guess.regret(proposed) > self.lookahead_nats:
+                if guess.regret(proposed) > self.lookahead_nats:
                     token, route = guess.token, "cloud"
                     answer.lookahead_tokens += 1
-            elif hard and self.link is not None:
-                cloud_token = self._ask_cloud(proposed, hidden)
-                if cloud_token is not None:
-                    token, route = cloud_token.token, "cloud"
-                    guess_due = self.lookahead
-            fallback = hard and route == "edge" and use_cloud
+            else:
+                t0 = time.perf_counter()
+                score = self.router.score(hidden, logits, proposed)
+                hard = self.policy.decide(score)
+                router_ms.append((time.perf_counter() - t0) * 1000.0)
+                if hard and self.link is not None:
+                    cloud_token = self._ask_cloud(proposed, hidden)
+                    if cloud_token is not None:
+                        token, route = cloud_token.token, "cloud"
+                        guess_due = self.lookahead
+                fallback = hard and route == "edge" and use_cloud
             self.decoder.append(token)
             accept(token, route, score, fallback)
             self._maybe_sync()

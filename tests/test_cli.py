@@ -25,10 +25,10 @@ def test_ask_json_with_a_local_cloud(tmp_path):
         assert out["latency_ms"][key] >= 0
     assert out["n_tokens"] == len(out["tokens"]) == len(out["routes"]) == len(out["scores"])
     assert out["n_cloud_tokens"] == out["routes"].count("cloud") > 0
-    # lookahead (the default): right after a round-trip cloud token the cloud's guess may also be taken
+    # lookahead (the default): right after a round-trip cloud token the cloud's guess decides (no score)
     guessed = set(out["lookahead_positions"])
-    assert [s >= 0.3 for i, s in enumerate(out["scores"]) if i not in guessed] == [r == "cloud" for i, r in enumerate(out["routes"]) if i not in guessed]
-    assert all(out["routes"][i] == "cloud" for i in guessed if out["scores"][i] >= 0.3)
+    assert guessed == {i for i, s in enumerate(out["scores"]) if s is None}
+    assert [s >= 0.3 for s in out["scores"] if s is not None] == [r == "cloud" for i, r in enumerate(out["routes"]) if i not in guessed]
     assert all(i > 0 and out["routes"][i - 1] == "cloud" for i in guessed)
     assert out["lookahead_tokens"] == sum(1 for i in guessed if out["routes"][i] == "cloud")
     assert out["round_trips"] == out["n_cloud_tokens"] - out["lookahead_tokens"]

@@ -75,8 +75,8 @@ class _Run:
     policy: RoutingPolicy | None  # None: edge-only / cloud-only
     router: Any = None
     cloud_only: bool = False
-    lookahead: bool = False  # after a round-trip cloud token, the guess that came with it is taken where routed...
-    lookahead_nats: float = 0.0  # ... or where the device's token is more than this regret worse
+    lookahead: bool = False  # after a round-trip cloud token, the guess that came with it decides the next position:
+    lookahead_nats: float = 0.0  # taken where the device's token is more than this regret worse to the cloud
     guess_ready: bool = False
     guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
     tokens: list[int] = field(default_factory=list)
@@ -179,19 +179,18 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
                 cache[(0, seq)] = (int(np.argmax(v.cloud_logits)), int(np.argmax(v.edge_logits)), log_softmax_row(v.cloud_logits)[1])
             cloud_tok, proposed, lse = cache[(0, seq)]
             hard = run.cloud_only
-            if run.policy is not None:
+            if run.guess_ready:  # the cloud sent its guess (and its top 8) with its last token: the device's rule
+                hard = proposed != cloud_tok and (
+                    float(v.cloud_logits[cloud_tok] - v.cloud_logits[proposed]) > run.lookahead_nats
+                    or int(np.count_nonzero(v.cloud_logits > v.cloud_logits[proposed])) >= NEXT_TOP
+                )
+                run.guessed += int(hard)
+                run.guess_ready = False
+            elif run.policy is not None:
                 key = (id(run.router), seq)
                 if isinstance(run.router, RandomRouter) or key not in cache:
                     cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
                 hard = run.policy.decide(cache[key])
-            if run.guess_ready:  # the cloud sent its guess (and its top 8) with its last token: the device's rule
-                hard = hard or (proposed != cloud_tok and (
-                    float(v.cloud_logits[cloud_tok] - v.cloud_logits[proposed]) > run.lookahead_nats
-                    or int(np.count_nonzero(v.cloud_logits > v.cloud_logits[proposed])) >= NEXT_TOP
-                ))
-                run.guessed += int(hard)
-                run.guess_ready = False
-            else:
                 run.guess_ready = run.lookahead and hard
             tok = cloud_tok if hard else proposed  # greedy, as the generator's Sampler at temperature 0
             run.nll += lse - float(v.cloud_logits[tok])
