@@ -3,8 +3,10 @@
 For each position the device model proposes a token and the router scores
 it. Easy positions keep the device's token. Hard ones send the device tokens
 the cloud has not seen yet plus the hidden state in one `generate`, and the
-cloud's token is accepted into the device's history. Device tokens are also
-sent eagerly (`sync_every`) so the cloud prefills them before it is asked.
+cloud's token is accepted into the device's history. With lookahead the cloud
+then sends its guess for the next position, which decides that position
+instead of the router (docs/architecture.md). Device tokens are also sent
+eagerly (`sync_every`) so the cloud prefills them before it is asked.
 
 If the cloud is lost, the answer continues on the device and is marked
 degraded; the next answer tries to reconnect.
