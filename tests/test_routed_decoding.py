@@ -152,6 +152,33 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(edge_model, 
         gen.close()
 
 
+def test_a_late_guess_is_ignored_and_skipped(edge_model, cloud_server):
+    """A guess that has not arrived when the device needs it (here: no wait at all) leaves the
+    position to the router; the `next` message arriving later is skipped by the following
+    requests, so nothing is lost or misread: every token goes through the router as without
+    lookahead, one round trip per cloud token, on a session that stays healthy."""
+    gen = make_generator(edge_model, cloud_server, threshold=0.3)
+    gen.lookahead, gen.lookahead_wait_s = True, 0.0
+    try:
+        for q in QUESTIONS:
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            assert not a.degraded and a.n_cloud_tokens > 0
+            assert a.lookahead_positions == [] and None not in a.scores
+            assert [s >= 0.3 for s in a.scores] == [r == "cloud" for r in a.routes]
+            assert a.round_trips == a.n_cloud_tokens
+    finally:
+        gen.close()
+
+
+def test_guess_regret_reads_the_clouds_top_list():
+    from edge_client.cloud_link import CloudGuess
+
+    g = CloudGuess(token=5, logprob=-0.2, top_ids=[5, 7, 9], top_logprobs=[-0.2, -1.5, -4.0])
+    assert g.regret(5) == 0.0
+    assert g.regret(7) == pytest.approx(1.3) and g.regret(9) == pytest.approx(3.8)
+    assert g.regret(11) == float("inf"), "outside the listed tokens: at least as bad as the last, so taken"
+
+
 def test_cloud_fraction_target_is_approached(edge_model, cloud_server):
     from shared.policy import PolicyConfig, RoutingPolicy
 
