@@ -36,8 +36,8 @@ import numpy as np
 
 from models.registry import ModelInfo
 from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaModel
-from shared.protocol import NEXT_TOP, SamplingParams
-from shared.sampling import Sampler, log_softmax_at
+from shared.protocol import SamplingParams
+from shared.sampling import NO_GUESS, Guess, Sampler, log_softmax_at
 
 if TYPE_CHECKING:
     from cloud_server.scheduler import BatchObserver
@@ -65,12 +65,17 @@ class SeqState:
     guess: int = -1  # the token announced for the next position (a `next` message), written if asked there
     guess_logprob: float = 0.0
 
+    @property
+    def has_ready(self) -> bool:
+        """Kept next-position logits exist and still describe the history."""
+        return self.ready is not None and self.ready_len == len(self.history)
+
     def take_ready(self) -> np.ndarray | None:
         """The kept next-position logits if they still describe the history (then forgotten)."""
-        logits, self.ready, ready_len, self.ready_len = self.ready, None, self.ready_len, -1
-        if logits is None or ready_len != len(self.history):
+        logits = self.ready if self.has_ready else None
+        if logits is None:
             self.guess = -1
-            return None
+        self.ready, self.ready_len = None, -1
         return logits
 
     def keep_ready(self, logits: np.ndarray) -> None:
@@ -80,16 +85,6 @@ class SeqState:
 
     def drop_ready(self) -> None:
         self.ready, self.ready_len, self.guess = None, -1, -1
-
-
-@dataclass(slots=True)
-class Guess:
-    """What `peek_next` announces: the next token and the cloud's most likely tokens there."""
-
-    token: int
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -350,21 +345,19 @@ class CloudEngine:
             else:
                 self._drop_saved(s)  # rebuilt by re-prefill
 
-    def peek_next(self, seq: int, top: int = NEXT_TOP) -> Guess:
+    def peek_next(self, seq: int) -> Guess:
         """The token the session would write next, from the kept logits, without writing it,
-        with the `top` most likely tokens there; token -1 when no kept logits describe the
-        history. The choice is remembered, so a later generate at this position writes this
-        very token (a `next` message promised it), even when sampling is random."""
+        with the most likely tokens there; NO_GUESS when no kept logits describe the history.
+        The choice is remembered, so a later generate at this position writes this very token
+        (a `next` message promised it), even when sampling is random."""
         s = self._seqs[seq]
-        if s.ready is None or s.ready_len != len(s.history):
-            return Guess(-1, 0.0, [], [])
+        if not s.has_ready:
+            return NO_GUESS
         if s.guess < 0:
             s.guess = s.sampler.sample(s.ready)
-            s.guess_logprob = log_softmax_at(s.ready, s.guess)
-        ids = np.argpartition(s.ready, -top)[-top:]
-        ids = ids[np.argsort(-s.ready[ids], kind="stable")]
-        lse = float(np.logaddexp.reduce(s.ready, dtype=np.float64))
-        return Guess(s.guess, s.guess_logprob, [int(i) for i in ids], [float(s.ready[i]) - lse for i in ids])
+        g = Guess.of(s.ready, s.guess)
+        s.guess_logprob = g.logprob
+        return g
 
     def _write_ready(self, s: SeqState, logits: np.ndarray) -> tuple[int, float]:
         """Write the next token from kept logits: the announced guess if there is one."""

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
 from cloud_server.audit import SessionAudit
-from cloud_server.engine import EngineFull, EngineWorker, Guess
+from cloud_server.engine import EngineFull, EngineWorker
 from cloud_server.flywheel import recorder_for
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, SessionGuard
 from cloud_server.services import Services
@@ -39,6 +39,7 @@ from shared.protocol import (
     sampling_from_dict,
     token_hash,
 )
+from shared.sampling import NO_GUESS
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class Connection:
             self.prefill_ms += 1000.0 * await self.worker.prefill(self.seq)  # type: ignore[arg-type]
             g = await self.worker.call(self.engine.peek_next, self.seq)
         except EngineFull:
-            g = Guess(-1, 0.0, [], [])
+            g = NO_GUESS
         await self.send(Next(request_id=request_id, position=position, token=g.token, logprob=g.logprob, top_ids=g.top_ids, top_logprobs=g.top_logprobs))
 
     async def _verify(self, msg: Verify) -> None:

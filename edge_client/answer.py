@@ -55,8 +55,7 @@ class Answer:
     bytes_down: int = 0
     round_trips: int = 0
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
-    lookahead_tokens: int = 0  # cloud tokens taken from a lookahead guess, without a round trip
-    lookahead_positions: list[int] = field(default_factory=list)  # answer indices decided with a guess in hand
+    lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
     cloud_compute_ms: float = 0.0
     edge_model: str = ""
     cloud_model: str = ""
@@ -71,6 +70,11 @@ class Answer:
     @property
     def n_cloud_tokens(self) -> int:
         return sum(1 for r in self.routes if r == "cloud")
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """Cloud tokens taken from a lookahead guess, without a round trip."""
+        return sum(1 for i in self.lookahead_positions if self.routes[i] == "cloud")
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object of `tokenrouter-edge ask` (documented in the README)."""

@@ -43,6 +43,7 @@ from shared.protocol import (
     encode,
     token_hash,
 )
+from shared.sampling import Guess
 
 
 class CloudUnavailable(ConnectionError):
@@ -86,25 +87,6 @@ class CloudToken:
     token: int
     logprob: float
     eog: bool
-
-
-@dataclass(slots=True)
-class CloudGuess:
-    """The cloud's lookahead guess for the next position (a `next` message)."""
-
-    token: int
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-    def regret(self, token: int) -> float:
-        """How much less likely the cloud finds `token` than its own guess, in nats; infinite
-        for a token outside the cloud's top list (unknown, and at least that list's spread)."""
-        if token == self.token:
-            return 0.0
-        if token in self.top_ids:
-            return self.logprob - self.top_logprobs[self.top_ids.index(token)]
-        return float("inf")
 
 
 class CloudLink:
@@ -266,7 +248,7 @@ class CloudLink:
         self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
         return out
 
-    def next_guess(self, timeout_s: float) -> CloudGuess | None:
+    def next_guess(self, timeout_s: float) -> Guess | None:
         """The cloud's guess for the position after its last token (the `next` message of the
         last generate, sent with lookahead), or None if it did not come within `timeout_s` or
         the cloud had none. Only valid while the device has added nothing since that token.
@@ -283,7 +265,7 @@ class CloudLink:
             if isinstance(reply, Next) and reply.request_id == request_id:
                 if reply.token < 0 or reply.position != self.cloud_len:
                     return None
-                return CloudGuess(reply.token, reply.logprob, reply.top_ids, reply.top_logprobs)
+                return Guess(reply.token, reply.logprob, reply.top_ids, reply.top_logprobs)
         return None
 
     def verify(self, tokens: list[int], check: list[int], bonus: bool = False) -> Verdict:

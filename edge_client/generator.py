@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edge_client.answer import Answer, Latency, Route, TokenEvent
-from edge_client.cloud_link import CloudError, CloudGuess, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats, session_holding
+from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats, session_holding
 from edge_client.decoder import EdgeDecoder
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
@@ -38,7 +38,7 @@ from shared.policy import PolicyConfig, RoutingPolicy
 from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter, Router
 from shared.routing_log import RoutingLog
-from shared.sampling import Sampler
+from shared.sampling import Guess, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,6 @@ class RoutedGenerator:
                 answer.lookahead_positions.append(len(answer.tokens))
                 if guess.regret(proposed) > self.lookahead_nats:
                     token, route = guess.token, "cloud"
-                    answer.lookahead_tokens += 1
             else:
                 t0 = time.perf_counter()
                 score = self.router.score(hidden, logits, proposed)
@@ -314,7 +313,7 @@ class RoutedGenerator:
                 self._lose_cloud(exc2)
                 return None
 
-    def _take_guess(self) -> CloudGuess | None:
+    def _take_guess(self) -> Guess | None:
         """The cloud's lookahead guess for this position, or None (late, none, or the cloud lost)."""
         link = self.link
         if link is None:

@@ -7,9 +7,11 @@ nucleus; draws come from a seeded generator so runs are reproducible.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from shared.protocol import SamplingParams
+from shared.protocol import NEXT_TOP, SamplingParams
 
 
 class Sampler:
@@ -44,3 +46,35 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
     """log P(token) under softmax(logits), computed stably."""
     m = float(np.max(logits))
     return float(logits[token]) - m - float(np.log(np.sum(np.exp(logits - m))))
+
+
+@dataclass(slots=True)
+class Guess:
+    """A model's choice at a position with its most likely tokens there (most likely first):
+    what the cloud announces in a `next` message, and how the device judges its own token."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    @classmethod
+    def of(cls, logits: np.ndarray, token: int, top: int = NEXT_TOP) -> "Guess":
+        """`token` chosen from `logits`, with the `top` most likely tokens (one partition, no sort
+        of the vocabulary)."""
+        ids = np.argpartition(logits, -top)[-top:]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        lse = float(np.logaddexp.reduce(logits, dtype=np.float64))
+        return cls(token, float(logits[token]) - lse, [int(i) for i in ids], [float(logits[i]) - lse for i in ids])
+
+    def regret(self, token: int) -> float:
+        """How much less likely `token` is than the guess, in nats; infinite for a token outside
+        the top list (unknown, and at least that list's spread)."""
+        if token == self.token:
+            return 0.0
+        if token in self.top_ids:
+            return self.logprob - self.top_logprobs[self.top_ids.index(token)]
+        return float("inf")
+
+
+NO_GUESS = Guess(-1, 0.0, [], [])

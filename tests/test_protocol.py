@@ -79,6 +79,7 @@ def test_hidden_state_travels_as_binary_float16():
         ('{"type": "sync", "position": 1, "tokens": [true]}', ErrorCode.BAD_FIELD),
         ('{"type": "generate", "request_id": 1, "position": 0, "tokens": [], "max_tokens": 0}', ErrorCode.BAD_FIELD),
         ('{"type": "generate", "request_id": 1, "position": 0, "tokens": [], "lookahead": 1}', ErrorCode.BAD_FIELD),
+        ('{"type": "next", "request_id": 1, "position": 3, "token": 5, "top_ids": [5, 6], "top_logprobs": [-0.1]}', ErrorCode.BAD_FIELD),
         ('{"type": "generate", "request_id": 1, "position": 0, "tokens": [], "hidden_dim": 4}', ErrorCode.BAD_FRAME),
         ('{"type": "hello", "version": 1, "api_key": "", "edge_model": "", "tokenizer": "", "messages": [{"role": 1}]}', ErrorCode.BAD_FIELD),
     ],

@@ -116,3 +116,28 @@ def test_audio_mode_measures_end_of_speech_to_first_audio(tmp_path, capsys):
     assert row["eos_to_first_audio_ms"] is not None and row["eos_to_first_audio_ms"] > 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["policies"]["edge"]["eos_to_first_audio_ms_p50"] == pytest.approx(row["eos_to_first_audio_ms"], abs=0.01)
+
+
+def test_router_auto_finds_the_router_shipped_for_the_pair(edge_info):
+    """`--router auto` must load the learned router shipped for (edge model, cloud model) in every
+    router policy, not fall back to the entropy heuristic (it did while the cloud model was not
+    passed down), and `router-lookahead` runs the generator with lookahead on."""
+    from edge_client.replay.policies import GeneratorRunner, PolicySpec, RouterOptions
+    from edge_client.replay.driver import ReplayDriver
+    from models.registry import DEFAULT_CLOUD_MODEL
+    from shared.learned_router import LearnedRouter
+    from shared.llama_backend import LlamaModel
+
+    edge = LlamaModel(edge_info)
+    opts = RouterOptions(router="auto", cloud_model=DEFAULT_CLOUD_MODEL)
+    runners = [GeneratorRunner(PolicySpec(k, k), edge, None, opts) for k in ("router-sync", "router-lookahead")]
+    driver = ReplayDriver(PolicySpec("router-span", "router-span"), edge, None, opts)
+    try:
+        assert all(isinstance(r.gen.router, LearnedRouter) for r in runners)
+        assert isinstance(driver.router, LearnedRouter)
+        assert [r.gen.lookahead for r in runners] == [False, True]
+    finally:
+        for r in runners:
+            r.gen.close()
+        driver.close()
+        edge.close()

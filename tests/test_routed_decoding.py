@@ -171,9 +171,9 @@ def test_a_late_guess_is_ignored_and_skipped(edge_model, cloud_server):
 
 
 def test_guess_regret_reads_the_clouds_top_list():
-    from edge_client.cloud_link import CloudGuess
+    from shared.sampling import Guess
 
-    g = CloudGuess(token=5, logprob=-0.2, top_ids=[5, 7, 9], top_logprobs=[-0.2, -1.5, -4.0])
+    g = Guess(token=5, logprob=-0.2, top_ids=[5, 7, 9], top_logprobs=[-0.2, -1.5, -4.0])
     assert g.regret(5) == 0.0
     assert g.regret(7) == pytest.approx(1.3) and g.regret(9) == pytest.approx(3.8)
     assert g.regret(11) == float("inf"), "outside the listed tokens: at least as bad as the last, so taken"

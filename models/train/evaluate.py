@@ -43,8 +43,8 @@ from models.train.pair import PairStepper, log_softmax_row
 from shared.textmetrics import rouge_l_f1, token_agreement
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.policy import PolicyConfig, RoutingPolicy
-from shared.protocol import NEXT_TOP
 from shared.router import HeuristicRouter, RandomRouter
+from shared.sampling import Guess
 
 METHODS = ("learned", "entropy", "random")
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -102,12 +102,12 @@ def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: 
         routers = {"learned": learned, "entropy": entropy, "random": RandomRouter(seed=opts.seed * 100003 + prompt * 101 + int(f * 100))}
         for name, r in others.items():
             thresholds[name], routers[name] = r.threshold_for_fraction(f), r
-        for m in thresholds:
-            runs.append(_Run(m, f, prompt, RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0))), routers[m]))
-        for m in opts.lookahead:
-            for nats in opts.lookahead_nats:
-                runs.append(_Run(f"{m}+lookahead@{nats:g}", f, prompt, RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0))), routers[m],
-                                 lookahead=True, lookahead_nats=nats))
+        def policy(m: str) -> RoutingPolicy:
+            return RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0)))
+
+        runs += [_Run(m, f, prompt, policy(m), routers[m]) for m in thresholds]
+        runs += [_Run(f"{m}+lookahead@{nats:g}", f, prompt, policy(m), routers[m], lookahead=True, lookahead_nats=nats)
+                 for m in opts.lookahead for nats in opts.lookahead_nats]
     return runs
 
 
@@ -179,11 +179,10 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
                 cache[(0, seq)] = (int(np.argmax(v.cloud_logits)), int(np.argmax(v.edge_logits)), log_softmax_row(v.cloud_logits)[1])
             cloud_tok, proposed, lse = cache[(0, seq)]
             hard = run.cloud_only
-            if run.guess_ready:  # the cloud sent its guess (and its top 8) with its last token: the device's rule
-                hard = proposed != cloud_tok and (
-                    float(v.cloud_logits[cloud_tok] - v.cloud_logits[proposed]) > run.lookahead_nats
-                    or int(np.count_nonzero(v.cloud_logits > v.cloud_logits[proposed])) >= NEXT_TOP
-                )
+            if run.guess_ready:  # the cloud sent its guess with its last token: the device's rule
+                if (1, seq) not in cache:
+                    cache[(1, seq)] = Guess.of(v.cloud_logits, cloud_tok)
+                hard = cache[(1, seq)].regret(proposed) > run.lookahead_nats
                 run.guessed += int(hard)
                 run.guess_ready = False
             elif run.policy is not None:
