@@ -458,14 +458,17 @@ class CloudEngine:
                 outcomes[i].result = reqs[i].compute_s
         return outcomes, len(items), n_tokens, dt
 
-    def verify(self, seq: int, tokens: list[int], offsets: list[int], bonus: bool = False) -> VerifyResult:
+    def verify(self, seq: int, tokens: list[int], offsets: list[int], bonus: bool = False, tolerance: float = 0.0) -> VerifyResult:
         """Check drafted `tokens` (appended after the history) in one forward pass.
 
         Used by the `verify` message (router-verify, speculative decoding). At
         each offset in `offsets` the cloud's own choice (its sampler; argmax when
-        greedy) is compared with the draft. The history keeps the drafts up to
-        the first rejected offset, then the cloud's token there; with `bonus`
-        and no rejection the cloud's next token is appended as well.
+        greedy) is compared with the draft. With `tolerance` > 0 every other
+        offset is checked too, leniently: a draft more than `tolerance` nats
+        below the cloud's most likely token is rejected, and the cloud's own
+        choice written there. The history keeps the drafts up to the first
+        rejected offset, then the cloud's token there; with `bonus` and no
+        rejection the cloud's next token is appended as well.
         """
         s = self._seqs[seq]
         if not s.history:
@@ -481,7 +484,8 @@ class CloudEngine:
             self._decode(s, base - 1, want_logits=False)  # pending history, no outputs
         s = self.resident(seq, len(tokens) + 1)
         rows = [s.history[-1], *tokens]  # row r predicts the token at offset r
-        wanted = list(offsets) + ([len(tokens)] if bonus else [])
+        exact = set(offsets)
+        wanted = (list(range(len(tokens))) if tolerance > 0 else list(offsets)) + ([len(tokens)] if bonus else [])
         try:
             outs = self.ctx.decode_outputs(DecodeItem(s.seq, base - 1, rows), wanted)
         except DecodeError as exc:
@@ -492,6 +496,8 @@ class CloudEngine:
         result = VerifyResult(accepted=len(tokens))
         for offset, out in zip(wanted, outs):
             logits = self.ctx.logits(out)
+            if offset < len(tokens) and offset not in exact and float(np.max(logits)) - float(logits[tokens[offset]]) <= tolerance:
+                continue  # leniently checked and within the tolerance: the draft stands (no draw from the sampler)
             token = s.sampler.sample(logits)
             if offset == len(tokens) or token != tokens[offset]:
                 result.accepted, result.token, result.logprob = offset, token, log_softmax_at(logits, token)

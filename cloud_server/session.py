@@ -248,7 +248,7 @@ class Connection:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: at most {self.engine.ctx.n_batch - 1} drafted tokens")
         self._admit_hard_tokens(1)
         try:
-            r = await self.worker.call(self.engine.verify, self.seq, msg.tokens, msg.check, msg.bonus)
+            r = await self.worker.call(self.engine.verify, self.seq, msg.tokens, msg.check, msg.bonus, msg.tolerance)
         except EngineFull as exc:
             raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
         self.cloud_tokens += int(r.token >= 0)

@@ -268,8 +268,9 @@ class CloudLink:
                 return Guess(reply.token, reply.logprob, reply.top_ids, reply.top_logprobs)
         return None
 
-    def verify(self, tokens: list[int], check: list[int], bonus: bool = False) -> Verdict:
-        """Send the tokens the cloud lacks and have it check the drafts at `check` offsets.
+    def verify(self, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0) -> Verdict:
+        """Send the tokens the cloud lacks and have it check the drafts at `check` offsets
+        (exactly) and, with `tolerance` > 0, every draft (within that many nats).
 
         One round trip. Afterwards the cloud holds the accepted drafts plus the
         verdict's token (if any); `cloud_len` follows. The caller rolls its own
@@ -278,7 +279,7 @@ class CloudLink:
         request_id = self._next_request
         self._next_request += 1
         position = self.cloud_len
-        self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus))
+        self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus, tolerance=tolerance))
         t0 = time.perf_counter()
         while True:
             reply = self._recv(self.timeout_s)

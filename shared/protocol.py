@@ -178,6 +178,9 @@ class Verify:
     `tokens` are the device's tokens since the end of the cloud's history
     (`position`). At each offset in `check` (ascending) the cloud compares its
     own choice with the drafted token; unchecked offsets are taken as they are.
+    With `tolerance` > 0 every offset is also checked leniently: a drafted token
+    the cloud finds more than `tolerance` nats less likely than its own most
+    likely token is rejected (BiLD's rollback rule), one within it is kept.
     The cloud keeps the drafts up to the first rejected offset and writes its
     token there; with `bonus` and nothing rejected it also writes the next token.
     """
@@ -188,6 +191,7 @@ class Verify:
     tokens: list[int]
     check: list[int]
     bonus: bool = False
+    tolerance: float = 0.0  # nats; 0: only the `check` offsets are checked
 
 
 @dataclass(slots=True)
@@ -361,6 +365,8 @@ def _check_ranges(msg: Message) -> None:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: check offsets must be ascending, unique and within [0, {n})")
         if not msg.tokens:
             raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tokens must not be empty")
+        if not 0.0 <= msg.tolerance < float("inf"):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tolerance must be a finite number of nats >= 0")
     if isinstance(msg, Next) and len(msg.top_ids) != len(msg.top_logprobs):
         raise ProtocolError(ErrorCode.BAD_FIELD, "next: top_ids and top_logprobs must have the same length")
     if isinstance(msg, Generate) and msg.max_tokens < 1:

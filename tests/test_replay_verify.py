@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cloud_server.engine import CloudEngine
@@ -21,6 +22,12 @@ def test_verify_round_trips_and_rejects_bad_offsets():
         assert err.value.code == ErrorCode.BAD_FIELD
     with pytest.raises(ProtocolError, match="must not be empty"):
         decode(encode(Verify(request_id=1, position=0, tokens=[], check=[])))
+    lenient = Verify(request_id=4, position=10, tokens=[5, 6], check=[], tolerance=1.5)
+    assert decode(encode(lenient)) == lenient
+    for bad in ("-1", "NaN", "Infinity", '"1"'):
+        with pytest.raises(ProtocolError, match="tolerance") as err:
+            decode('{"type": "verify", "request_id": 1, "position": 0, "tokens": [5], "check": [], "tolerance": %s}' % bad)
+        assert err.value.code == ErrorCode.BAD_FIELD
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +73,30 @@ def test_engine_verify_matches_generation(engine):
     engine.close(seq)
 
 
+def test_engine_verify_with_a_tolerance_rejects_only_drafts_too_unlikely_to_the_cloud(engine):
+    """With a tolerance every drafted token is checked: one the cloud finds within `tolerance`
+    nats of its own choice stands, one beyond it is rolled back and the cloud's token written
+    there; a flagged offset is still checked exactly."""
+    prompt = engine.model.chat_tokens(chat("how do i say thank you in french"))
+    ref = _greedy(engine, prompt, 8)
+    seq = engine.open(prompt + ref[:3], SamplingParams())
+    engine.prefill(seq)
+    g = engine.peek_next(seq)  # the cloud's ranking at offset 3
+    engine.close(seq)
+    assert g.token == ref[3]
+    alt = next(i for i, lp in zip(g.top_ids[1:], g.top_logprobs[1:]) if g.logprob - lp > 0.05)
+    regret = g.logprob - g.top_logprobs[g.top_ids.index(alt)]
+    draft = ref[:3] + [alt]
+    cases = [(regret + 0.02, [], (4, -1)), (regret - 0.02, [], (3, ref[3])), (regret + 0.02, [3], (3, ref[3])), (0.0, [], (4, -1))]
+    for tolerance, check, expected in cases:
+        seq = engine.open(prompt, SamplingParams())
+        engine.prefill(seq)
+        r = engine.verify(seq, draft, check, tolerance=tolerance)
+        assert (r.accepted, r.token) == expected, (tolerance, check)
+        assert engine.history(seq)[len(prompt):] == draft[: r.accepted] + ([r.token] if r.token >= 0 else [])
+        engine.close(seq)
+
+
 def test_verify_over_the_wire(cloud_server, edge_info, cloud_info):
     from shared.llama_backend import LlamaModel
 
@@ -86,4 +117,48 @@ def test_verify_over_the_wire(cloud_server, edge_info, cloud_info):
         with pytest.raises(CloudError, match="out_of_order"):
             link.verify([1], [0])
     finally:
+        edge.close()
+
+
+def test_router_verify_with_a_tolerance_keeps_only_drafts_the_cloud_accepts(cloud_server, edge_info, cloud_info):
+    """router-verify with `verify_nats` over a real WebSocket, the default model pair, a router
+    that flags nothing: every drafted token is checked by the cloud. Against both models run
+    alone over the answer (teacher forcing, with a small tolerance for llama.cpp's
+    batch-dependent rounding): each kept token is the device's own choice and within the
+    tolerance to the cloud; each cloud token is the cloud's own choice where the device's
+    choice was beyond it. The eval's `+verify` methods assume exactly this rule."""
+    from edge_client.replay.driver import ReplayDriver
+    from edge_client.replay.policies import PolicySpec, RouterOptions
+    from edge_client.replay.turn import LinkFactory
+    from shared.llama_backend import LlamaModel
+    from tests.conftest import QUESTIONS
+    from tests.helpers import is_greedy_choice, teacher_forced_logits
+
+    nats, tol = 1.0, 0.15
+    edge = LlamaModel(edge_info)
+    links = LinkFactory(cloud_server.url, cloud_server.api_key, timeout_s=10.0)
+    opts = RouterOptions(router="top1", threshold=1.0, verify_nats=nats, cloud_model=cloud_info.name)
+    driver = ReplayDriver(PolicySpec("router-verify", "router-verify"), edge, links, opts)
+    try:
+        kept_lenient = cloud_tokens = 0
+        for q in QUESTIONS:
+            rec = driver.answer(chat(q), max_tokens=32)
+            assert not rec.degraded and len(rec.emit_ms) == len(rec.tokens)
+            cloud = teacher_forced_logits(cloud_info, chat(q), rec.tokens)
+            own = teacher_forced_logits(edge_info, chat(q), rec.tokens)
+            for i, (token, route) in enumerate(zip(rec.tokens, rec.routes)):
+                logp = cloud[i] - np.logaddexp.reduce(cloud[i].astype(np.float64))
+                if route == "edge":
+                    assert is_greedy_choice(own[i], token), f"{q!r} position {i}: not the device's own token"
+                    assert logp.max() - logp[token] <= nats + tol, f"{q!r} position {i}: kept beyond the tolerance"
+                    kept_lenient += int(logp[token] < logp.max() - 1e-3)
+                else:
+                    assert is_greedy_choice(cloud[i], token), f"{q!r} position {i}: not the cloud's own token"
+                    device = int(np.argmax(own[i]))
+                    assert logp.max() - logp[device] > nats - tol, f"{q!r} position {i}: rejected without cause"
+                    cloud_tokens += 1
+            assert rec.traffic.round_trips >= 1
+        assert cloud_tokens > 0 and kept_lenient > 0, "the default pair both breaks and stays within the tolerance"
+    finally:
+        driver.close()
         edge.close()

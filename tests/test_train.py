@@ -162,7 +162,9 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     """`eval --also`: another router in the same run. The same router under another name must give
     exactly the main router's curve (same decisions, same sequences), listed as learned:<stem>.
     `--lookahead learned` adds the router with the cloud's guesses, whose taken guesses are
-    counted among its cloud tokens (and never among the plain router's)."""
+    counted among its cloud tokens (and never among the plain router's); `--verify random` adds
+    random routing with the cloud's check of every device token, whose overruled tokens are
+    counted the same way."""
     import shutil
 
     copy = tmp_path / "same-router.npz"
@@ -170,10 +172,14 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("what is the capital of france\nset an alarm for seven\n")
     train_main(["eval", "--router", str(DEFAULT_ROUTER), "--also", str(copy), "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
-                "--lookahead", "learned", "--lookahead-nats", "0", "--out", str(tmp_path / "ev"), "--json"])
+                "--lookahead", "learned", "--lookahead-nats", "0", "--verify", "random", "--verify-nats", "1", "--out", str(tmp_path / "ev"), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["methods"]["learned:same-router"] == result["methods"]["learned"]
-    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router", "learned+lookahead@0"}
+    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router", "learned+lookahead@0", "random+verify@1"}
+    ver, plain = result["methods"]["random+verify@1"], result["methods"]["random"]
+    assert all(p["overruled_fraction"] <= p["cloud_fraction"] for p in ver)
+    assert all(p["overruled_fraction"] == 0 for p in plain)
+    assert any(p["overruled_fraction"] > 0 for p in ver), "the two models disagree by over 1 nat somewhere"
     la = result["methods"]["learned+lookahead@0"]
     assert all(p["lookahead_fraction"] <= p["cloud_fraction"] for p in la)
     assert all(p["lookahead_fraction"] == 0 for p in result["methods"]["learned"])

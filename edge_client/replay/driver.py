@@ -6,8 +6,10 @@ Sampler) rather than by forking the generator, so the comparison measures the
 waiting strategy, not a different implementation of the same loop.
 
 Tokens reach the user (`emit`) only once they are final: in router-verify a
-drafted token after a flagged position waits for the verdict; in speculative
-every drafted token does. That is the latency each strategy really costs.
+drafted token after a flagged position waits for the verdict (with
+`--verify-nats`, every drafted token does, since the cloud checks them all); in
+speculative every drafted token does. That is the latency each strategy really
+costs.
 """
 
 from __future__ import annotations
@@ -191,8 +193,13 @@ class ReplayDriver:
     # ---------------------------------------------------------------- router-verify / speculative
 
     def _draft_and_verify(self, emit: Emitter, check_all: bool) -> None:
-        """Draft to a clause boundary; verify the flagged positions in one round trip."""
+        """Draft to a clause boundary; verify the flagged positions in one round trip.
+
+        With a tolerance (router-verify, `verify_nats` > 0) the cloud also checks every
+        other drafted token within that many nats, so no draft is final before its verdict.
+        """
         dec = self.decoder
+        tolerance = 0.0 if check_all else self.opts.verify_nats
         while not self._done():
             first_flag = -1
             flags: list[int] = []
@@ -206,14 +213,14 @@ class ReplayDriver:
                     flags.append(len(dec.history) - 1)
                     if first_flag < 0:
                         first_flag = len(dec.history) - 1
-                if first_flag < 0:  # nothing before it is in doubt: the token is final
+                if first_flag < 0 and tolerance <= 0:  # nothing before it is in doubt: the token is final
                     emit(token, "edge")
                     self._maybe_sync(len(dec.history))
                 if self._done() or self._is_clause_end(token) or n_draft >= self.opts.draft_max:
                     break
-            if not flags:
+            if not flags and tolerance <= 0:
                 continue
-            held_from = first_flag
+            held_from = first_flag if tolerance <= 0 else len(dec.history) - n_draft
             link = self.link
             if link is None:  # no cloud: the drafts stand
                 for t in dec.history[held_from:]:
@@ -223,7 +230,7 @@ class ReplayDriver:
             tokens = dec.history[base:]
             bonus = check_all and self._n_answer() < self._max and not self.model.is_eog(tokens[-1])
             try:
-                verdict = link.verify(tokens, [f - base for f in flags], bonus=bonus)
+                verdict = link.verify(tokens, [f - base for f in flags], bonus=bonus, tolerance=tolerance)
             except (CloudUnavailable, CloudError) as exc:
                 self._lose_cloud(exc)
                 for t in dec.history[held_from:]:

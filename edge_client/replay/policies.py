@@ -7,7 +7,9 @@
                     (RoutedGenerator with lookahead: the product's default)
     router-span     at a hard token the cloud writes up to --span tokens in one call
     router-verify   draft to the next clause boundary; send the flagged positions
-                    in one verify; roll back to the first rejected one
+                    in one verify; roll back to the first rejected one. With
+                    --verify-nats N the cloud also rejects any drafted token it
+                    finds more than N nats less likely than its own choice
     speculative     verify every drafted position (lossless with greedy decoding)
     query           one decision per query (router score at the first answer position)
     session         a whole conversation on the cloud, unless it asks for light mode
@@ -76,6 +78,7 @@ class RouterOptions:
     sync_every: int = 4  # eager sync: send final device tokens after this many
     span: int = 4  # router-span: tokens the cloud writes per hard token
     draft_max: int = 12  # router-verify / speculative: longest draft before a verify
+    verify_nats: float = 0.0  # router-verify: the cloud checks every drafted token within this many nats (0: flagged ones only)
     query_threshold: float | None = None  # query policy; default: threshold
     temperature: float = 0.0
     seed: int = 0

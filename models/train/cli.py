@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run METHOD with the cloud's next-token guess after each routed token, as METHOD+lookahead@NATS (repeatable; docs/router.md)")
     p.add_argument("--lookahead-nats", type=float, action="append", default=[], metavar="NATS",
                    help="take a guess only where the device's token is NATS less likely to the cloud (repeatable; default 1)")
+    p.add_argument("--verify", action="append", default=[], choices=["learned", "entropy", "random"],
+                   help="also run METHOD with the cloud checking every device token, as METHOD+verify@NATS (repeatable; docs/router.md)")
+    p.add_argument("--verify-nats", type=float, action="append", default=[], metavar="NATS",
+                   help="the check rejects a device token NATS less likely to the cloud than its own choice (repeatable; default 1)")
 
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
@@ -155,7 +159,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.split = ["val"]
     prompts, source = _prompts(args)
     opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch,
-                       also=tuple(args.also), lookahead=tuple(args.lookahead), lookahead_nats=tuple(args.lookahead_nats or [1.0]))
+                       also=tuple(args.also), lookahead=tuple(args.lookahead), lookahead_nats=tuple(args.lookahead_nats or [1.0]),
+                       verify=tuple(args.verify), verify_nats=tuple(args.verify_nats or [1.0]))
     bar = None
     if not args.json:
         try:

@@ -17,7 +17,11 @@ the primary measure for free:
 Methods: learned (thresholds from the router file's calibration table),
 entropy (thresholds calibrated on the same validation positions), random
 (threshold 1 - f on uniform scores), edge-only and cloud-only; with `also`,
-more learned routers side by side ("learned:<file stem>"). Compare routers
+more learned routers side by side ("learned:<file stem>"); with `lookahead`,
+a method plus the cloud's guess after each routed token; with `verify`, a
+method plus the cloud's check of every device token (replay's router-verify
+with `--verify-nats`: a device token the cloud finds more than N nats less
+likely than its own choice is rolled back and rewritten by the cloud). Compare routers
 within one run: llama.cpp's batched kernels are not batch-invariant, so even
 the edge-only figure moves by a few hundredths of a nat between runs, while
 within a run every method shares the same edge-only and cloud-only answers. Fractions 0 and
@@ -65,6 +69,8 @@ class EvalOptions:
     also: tuple[Path, ...] = ()  # more learned routers, evaluated side by side
     lookahead: tuple[str, ...] = ()  # methods also run with the cloud's next-token guess, as "<method>+lookahead@<nats>"
     lookahead_nats: tuple[float, ...] = (1.0,)  # take a guess when the device's token is this much less likely to the cloud
+    verify: tuple[str, ...] = ()  # methods also run with the cloud's check of every device token, as "<method>+verify@<nats>"
+    verify_nats: tuple[float, ...] = (1.0,)  # the check overrules a device token this much less likely to the cloud
 
 
 @dataclass(slots=True)
@@ -79,6 +85,8 @@ class _Run:
     lookahead_nats: float = 0.0  # taken where the device's token is more than this regret worse to the cloud
     guess_ready: bool = False
     guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
+    verify_nats: float | None = None  # the cloud checks every device token; one over this regret is rolled back and rewritten
+    overruled: int = 0  # cloud tokens written where the check rejected the device's token
     tokens: list[int] = field(default_factory=list)
     routed: int = 0
     nll: float = 0.0
@@ -108,6 +116,8 @@ def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: 
         runs += [_Run(m, f, prompt, policy(m), routers[m]) for m in thresholds]
         runs += [_Run(f"{m}+lookahead@{nats:g}", f, prompt, policy(m), routers[m], lookahead=True, lookahead_nats=nats)
                  for m in opts.lookahead for nats in opts.lookahead_nats]
+        runs += [_Run(f"{m}+verify@{nats:g}", f, prompt, policy(m), routers[m], verify_nats=nats)
+                 for m in opts.verify for nats in opts.verify_nats]
     return runs
 
 
@@ -191,6 +201,12 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
                     cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
                 hard = run.policy.decide(cache[key])
                 run.guess_ready = run.lookahead and hard
+            if not hard and run.verify_nats is not None and float(v.cloud_logits[cloud_tok] - v.cloud_logits[proposed]) > run.verify_nats:
+                # router-verify with a tolerance: the cloud rejects this token when it checks the draft, the
+                # device rolls back to here and takes the cloud's token; greedy redrafting then follows
+                # exactly this path, so the answer is the same as deciding here.
+                hard = True
+                run.overruled += 1
             tok = cloud_tok if hard else proposed  # greedy, as the generator's Sampler at temperature 0
             run.nll += lse - float(v.cloud_logits[tok])
             run.routed += int(hard)
@@ -233,6 +249,7 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
             "target_fraction": target,
             "cloud_fraction": round(sum(r.routed for r, _ in items) / max(n, 1), 4),
             "lookahead_fraction": round(sum(r.guessed for r, _ in items) / max(n, 1), 4),  # cloud tokens that needed no round trip
+            "overruled_fraction": round(sum(r.overruled for r, _ in items) / max(n, 1), 4),  # cloud tokens from the check of device tokens
             "cloud_nll": round(sum(r.nll for r, _ in items) / max(n, 1), 4),
             "rouge_l": round(float(np.mean([rouge_l_f1(t, by_prompt_cloud[r.prompt][1]) for r, t in items])), 4),
             "token_agreement": round(float(np.mean([token_agreement(r.tokens, by_prompt_cloud[r.prompt][0].tokens) for r, t in items])), 4),
@@ -306,7 +323,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, key, title in zip(axes, ("cloud_nll", "rouge_l", "token_agreement"), ("cloud NLL / token (lower is better)", "ROUGE-L F1 vs cloud-only", "token agreement vs cloud-only")):
-        others = [m for m in result["methods"] if m.startswith("learned:") or "+lookahead" in m]
+        others = [m for m in result["methods"] if m.startswith("learned:") or "+lookahead" in m or "+verify" in m]
         for m, style in (("learned", "o-"), ("entropy", "s--"), ("random", "^:"), *((m, "d-") for m in others)):
             pts = sorted(result["methods"][m], key=lambda p: p["cloud_fraction"])
             ax.plot([100 * p["cloud_fraction"] for p in pts], [p[key] for p in pts], style, label=m)
