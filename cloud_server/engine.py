@@ -37,7 +37,7 @@ import numpy as np
 from models.registry import ModelInfo
 from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaModel
 from shared.protocol import SamplingParams
-from shared.sampling import NO_GUESS, Guess, Sampler, log_softmax_at
+from shared.sampling import NO_GUESS, Guess, Sampler, log_softmax_at, regret
 
 if TYPE_CHECKING:
     from cloud_server.scheduler import BatchObserver
@@ -496,7 +496,7 @@ class CloudEngine:
         result = VerifyResult(accepted=len(tokens))
         for offset, out in zip(wanted, outs):
             logits = self.ctx.logits(out)
-            if offset < len(tokens) and offset not in exact and float(np.max(logits)) - float(logits[tokens[offset]]) <= tolerance:
+            if offset < len(tokens) and offset not in exact and regret(logits, tokens[offset]) <= tolerance:
                 continue  # leniently checked and within the tolerance: the draft stands (no draw from the sampler)
             token = s.sampler.sample(logits)
             if offset == len(tokens) or token != tokens[offset]:

@@ -48,6 +48,12 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
     return float(logits[token]) - m - float(np.log(np.sum(np.exp(logits - m))))
 
 
+def regret(logits: np.ndarray, token: int) -> float:
+    """How much less likely `token` is than the most likely token, in nats (a difference of
+    logits is one of log-probabilities): the cloud's check of a device token."""
+    return float(np.max(logits)) - float(logits[token])
+
+
 @dataclass(slots=True)
 class Guess:
     """A model's choice at a position with its most likely tokens there (most likely first):

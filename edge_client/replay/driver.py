@@ -200,6 +200,7 @@ class ReplayDriver:
         """
         dec = self.decoder
         tolerance = 0.0 if check_all else self.opts.verify_nats
+        check_every = tolerance > 0  # no draft is final before its verdict
         while not self._done():
             first_flag = -1
             flags: list[int] = []
@@ -213,14 +214,14 @@ class ReplayDriver:
                     flags.append(len(dec.history) - 1)
                     if first_flag < 0:
                         first_flag = len(dec.history) - 1
-                if first_flag < 0 and tolerance <= 0:  # nothing before it is in doubt: the token is final
+                if first_flag < 0 and not check_every:  # nothing before it is in doubt: the token is final
                     emit(token, "edge")
                     self._maybe_sync(len(dec.history))
                 if self._done() or self._is_clause_end(token) or n_draft >= self.opts.draft_max:
                     break
-            if not flags and tolerance <= 0:
+            if not flags and not check_every:
                 continue
-            held_from = first_flag if tolerance <= 0 else len(dec.history) - n_draft
+            held_from = len(dec.history) - n_draft if check_every else first_flag
             link = self.link
             if link is None:  # no cloud: the drafts stand
                 for t in dec.history[held_from:]:

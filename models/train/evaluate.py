@@ -48,7 +48,7 @@ from shared.textmetrics import rouge_l_f1, token_agreement
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.router import HeuristicRouter, RandomRouter
-from shared.sampling import Guess
+from shared.sampling import Guess, regret
 
 METHODS = ("learned", "entropy", "random")
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -201,7 +201,7 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
                     cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
                 hard = run.policy.decide(cache[key])
                 run.guess_ready = run.lookahead and hard
-            if not hard and run.verify_nats is not None and float(v.cloud_logits[cloud_tok] - v.cloud_logits[proposed]) > run.verify_nats:
+            if not hard and run.verify_nats is not None and regret(v.cloud_logits, proposed) > run.verify_nats:
                 # router-verify with a tolerance: the cloud rejects this token when it checks the draft, the
                 # device rolls back to here and takes the cloud's token; greedy redrafting then follows
                 # exactly this path, so the answer is the same as deciding here.
