@@ -56,6 +56,7 @@ class Answer:
     round_trips: int = 0
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
+    overruled_positions: list[int] = field(default_factory=list)  # answer indices where the cloud's check replaced an unflagged device token
     cloud_compute_ms: float = 0.0
     edge_model: str = ""
     cloud_model: str = ""
@@ -96,6 +97,7 @@ class Answer:
             "cloud_timeouts": self.cloud_timeouts,
             "lookahead_tokens": self.lookahead_tokens,
             "lookahead_positions": self.lookahead_positions,
+            "overruled_positions": self.overruled_positions,
             "cloud_compute_ms": round(self.cloud_compute_ms, 3),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,

@@ -41,6 +41,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess for the token after each cloud token")
     p.add_argument("--lookahead-nats", type=float, default=1.0,
                    help="take the cloud's guess where it finds the device's token this many nats less likely (0: wherever they differ)")
+    p.add_argument("--check", action="store_true",
+                   help="the cloud's check: draft to each clause end, the cloud checks the clause in one round trip and "
+                        "overrules a device token over --check-nats worse than its own choice (better answers, a round trip per clause)")
+    p.add_argument("--check-nats", type=float, default=1.0, help="with --check: how much less likely than the cloud's choice a device token may be")
     p.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
 
 
@@ -65,6 +69,8 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         cloud_timeout_s=args.cloud_timeout,
         lookahead=not args.no_lookahead,
         lookahead_nats=args.lookahead_nats,
+        check=args.check,
+        check_nats=args.check_nats,
         system_prompt=args.system_prompt,
     )
 

@@ -8,6 +8,12 @@ then sends its guess for the next position, which decides that position
 instead of the router (docs/architecture.md). Device tokens are also sent
 eagerly (`sync_every`) so the cloud prefills them before it is asked.
 
+With the cloud's check (`check`) the device instead drafts to the end of a
+clause and the cloud checks the whole clause in one `verify`: flagged tokens
+exactly, the others within `check_nats`; the first rejected draft is replaced
+by the cloud's token and the rest is redrafted. Tokens are released only once
+checked, so a listener never hears one that is taken back.
+
 If the cloud is lost, the answer continues on the device and is marked
 degraded; the next answer tries to reconnect.
 
@@ -31,7 +37,7 @@ import numpy as np
 
 from edge_client.answer import Answer, Latency, Route, TokenEvent
 from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable, LinkStats, session_holding
-from edge_client.decoder import EdgeDecoder
+from edge_client.decoder import ClauseEnds, EdgeDecoder
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelInfo, model_info
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -42,6 +48,7 @@ from shared.sampling import Guess, Sampler
 
 log = logging.getLogger(__name__)
 
+OVERRULED_DECAY = 0.995  # per released token, for the running overruled share (half-life ~140 tokens)
 DEFAULT_SYSTEM_PROMPT = "You are a helpful voice assistant. Answer briefly, in one or two sentences."
 
 
@@ -55,7 +62,7 @@ class GeneratorOptions:
     api_key: str = ""  # for a remote cloud; default $TOKENROUTER_API_KEY
     policy: str = "router"  # edge | cloud | router
     threshold: float | None = 0.5  # used when cloud_fraction is None
-    cloud_fraction: float | None = 0.3  # the one calibrated knob: target share of cloud-written tokens
+    cloud_fraction: float | None = 0.3  # the one calibrated knob: target share of cloud-written tokens (the check's overrules included)
     warmup: int = 0
     hysteresis: float = 0.0
     router: str = "auto"  # "auto" (shipped learned router for the pair, else entropy), a heuristic kind, or a router file (.npz)
@@ -73,6 +80,12 @@ class GeneratorOptions:
     lookahead: bool = True
     lookahead_nats: float = 1.0  # take the guess where the cloud finds the device's token this much less likely
     lookahead_wait_s: float = 0.1  # longest wait for that guess; then the router decides as usual
+    # The cloud's check (docs/architecture.md, "check"): draft to a clause end, one verify per
+    # clause; the cloud overrules a device token over check_nats worse than its own choice.
+    # Better answers (docs/router.md) for a round trip per clause before it is released.
+    check: bool = False
+    check_nats: float = 1.0
+    check_max_draft: int = 12  # longest draft before a verify when no clause ends
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     n_ctx: int = 4096
     # One llama.cpp thread: a 135M model is memory-bound, and a second thread's
@@ -94,6 +107,9 @@ class RoutedGenerator:
         lookahead: bool = False,
         lookahead_nats: float = 1.0,
         lookahead_wait_s: float = 0.1,
+        check: bool = False,
+        check_nats: float = 1.0,
+        check_max_draft: int = 12,
     ) -> None:
         self.edge = edge
         self.decoder = EdgeDecoder(edge, n_ctx=n_ctx, threads=threads)
@@ -104,6 +120,15 @@ class RoutedGenerator:
         self.lookahead = lookahead
         self.lookahead_nats = lookahead_nats
         self.lookahead_wait_s = lookahead_wait_s
+        if check and not 0.0 < check_nats < float("inf"):
+            raise ValueError(f"check_nats (--check-nats) must be a finite number of nats > 0, not {check_nats}")
+        if check_max_draft < 1:
+            raise ValueError(f"check_max_draft must be >= 1, not {check_max_draft}")
+        self.check = check
+        self.check_nats = check_nats
+        self.check_max_draft = check_max_draft
+        self._clause_ends = ClauseEnds(edge)
+        self.overruled_share = 0.0  # running share of answer tokens the check overruled (the router targets the rest)
         self._connect = connect
         self.link: CloudLink | None = None
         self.last_cloud_error: str = ""
@@ -232,6 +257,9 @@ class RoutedGenerator:
             if self.policy.mode == "cloud" and self.link is not None:
                 self._stream_from_cloud(answer, max_tokens, accept, stop)
                 continue  # finished, or the stream broke off and the device carries on
+            if self.check and self.link is not None:
+                self._check_clause(sampler, answer, accept, max_tokens - len(answer.tokens), stop, router_ms)
+                continue  # without a cloud, the per-token loop below finishes on the device
             logits, hidden = self.decoder.next_distribution()
             proposed = sampler.sample(logits)
             guess = self._take_guess() if guess_due else None
@@ -290,6 +318,76 @@ class RoutedGenerator:
         except (CloudUnavailable, CloudError) as exc:
             self._lose_cloud(exc)
             answer.degraded = True
+
+    def _check_clause(
+        self, sampler: Sampler, answer: Answer, accept: Callable[..., None], room: int, stop: threading.Event | None, router_ms: list[float]
+    ) -> None:
+        """Draft to a clause end (at most `room` tokens), then one verify: the cloud's check.
+
+        The draft takes one token past the clause end, so that a listener splitting clauses
+        at "punctuation then a space" (the voice pipeline's TTS chunker) can cut the clause as
+        soon as the verdict comes, not a whole clause later.
+
+        Router-flagged drafts are checked exactly, the others within `check_nats`. The
+        verdict keeps the drafts before the first rejected one (flagged ones count as the
+        cloud's: it chose the same token) and, at the rejected one, gives the cloud's token;
+        the device rolls its history back to there. Nothing is released before the verdict.
+        If the cloud is lost, the drafts stand (flagged ones as fallbacks).
+        """
+        dec, link = self.decoder, self.link
+        assert link is not None
+        start = len(dec.history)
+        try:
+            link.sync(dec.history[link.cloud_len : start])  # normally nothing: each verdict leaves both in step
+        except CloudUnavailable as exc:
+            self._lose_cloud(exc)
+            return
+        flagged: list[bool] = []
+        scores: list[float] = []
+        after_clause_end = False
+        while True:
+            logits, hidden = dec.next_distribution()
+            proposed = sampler.sample(logits)
+            t0 = time.perf_counter()
+            score = self.router.score(hidden, logits, proposed)
+            flagged.append(self.policy.decide(score))
+            router_ms.append((time.perf_counter() - t0) * 1000.0)
+            scores.append(score)
+            dec.append(proposed)
+            if stop is not None and stop.is_set():
+                dec.truncate(start)  # interrupted: nothing of this clause is released
+                return
+            if after_clause_end or self.edge.is_eog(proposed) or len(scores) >= min(room, self.check_max_draft):
+                break
+            after_clause_end = self._clause_ends(proposed)
+        drafts = dec.history[start:]
+        check = [i for i, f in enumerate(flagged) if f]
+        try:
+            verdict = link.verify(drafts, check, tolerance=self.check_nats)
+        except (CloudUnavailable, CloudError) as exc:
+            self._lose_cloud(exc)
+            for token, score, flag in zip(drafts, scores, flagged):
+                accept(token, "edge", score, fallback=flag)
+            return
+        for token, score, flag in zip(drafts[: verdict.accepted], scores, flagged):
+            accept(token, "cloud" if flag else "edge", score)
+        overruled = False
+        if verdict.token >= 0:  # the cloud rejected drafts[accepted] and wrote its own token there
+            at = min(verdict.accepted, len(drafts) - 1)
+            dec.truncate(start + verdict.accepted)
+            dec.append(verdict.token)
+            overruled = not flagged[at]
+            if overruled:
+                answer.overruled_positions.append(len(answer.tokens))
+            accept(verdict.token, "cloud", scores[at])
+        self._track_overruled(verdict.accepted + (verdict.token >= 0), overruled)
+
+    def _track_overruled(self, n_released: int, overruled: bool) -> None:
+        """Fold one verdict into the running overruled share (a decayed mean, half-life ~140
+        tokens) and tell the policy, so that flags plus overrules meet --cloud-fraction."""
+        keep = OVERRULED_DECAY**n_released
+        self.overruled_share = self.overruled_share * keep + (1.0 - OVERRULED_DECAY) * overruled
+        self.policy.share_taken_elsewhere(self.overruled_share)
 
     def _ask_cloud(self, proposed: int, hidden: np.ndarray) -> CloudToken | None:
         """The cloud's token for this position, or None: the device writes it (fallback)."""
@@ -469,6 +567,9 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
             lookahead=opts.lookahead,
             lookahead_nats=opts.lookahead_nats,
             lookahead_wait_s=opts.lookahead_wait_s,
+            check=opts.check,
+            check_nats=opts.check_nats,
+            check_max_draft=opts.check_max_draft,
         )
         try:
             yield gen

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument("--stop-delay-ms", type=int, default=None)
     ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
+    ap.add_argument("--check", action="store_true", help="the cloud's check: one verify per clause, tokens spoken only once checked")
     ap.add_argument("--asr-threads", type=int, default=None, help="CTranslate2 threads for Whisper (not with --compare: one recogniser serves both)")
     return ap
 
@@ -72,6 +73,11 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     if args.asr_threads is not None:
         vopts.asr.cpu_threads = args.asr_threads
     return vopts
+
+
+def generation_flags(args: argparse.Namespace) -> dict[str, bool]:
+    """The generator settings a config changes (set on the one shared generator before each turn)."""
+    return {"lookahead": not args.no_lookahead, "check": args.check}
 
 
 def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
@@ -95,10 +101,10 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
-    configs = [("a", voice_options(args), not args.no_lookahead)]
+    configs = [("a", voice_options(args), generation_flags(args))]
     if args.compare:
         args_b = ap.parse_args(sys.argv[1:] + args.compare.split())
-        configs.append(("b", voice_options(args_b), not args_b.no_lookahead))
+        configs.append(("b", voice_options(args_b), generation_flags(args_b)))
     val = json.load(open(args.data))["val"]
     step = max(1, len(val) // args.n)
     queries = [val[i * step][0] for i in range(args.n)]
@@ -110,18 +116,18 @@ def main() -> None:
         for i, q in enumerate(queries):
             wav = spoken_wav(eng.synth, q, tmp / f"q{i}.wav")
             order = configs if i % 2 == 0 else configs[::-1]  # alternate, so neither config always runs on a warmer cache
-            for name, vopts, lookahead in order:
-                gen.lookahead = lookahead
+            for name, vopts, flags in order:
+                gen.lookahead, gen.check = flags["lookahead"], flags["check"]
                 t = time.monotonic()
                 obj = run_file_turn(gen, str(wav), str(tmp / f"r{i}{name}.wav"), vopts, realtime=True, engines=eng, first_audio_only=True)
                 obj["query"], obj["wer"], obj["wall_s"] = q, wer(q, obj["transcript"]), time.monotonic() - t
                 rows[name].append(obj)
                 print(f"{i:2d}{name if len(configs) > 1 else ''} eos->audio {obj['end_of_speech_to_first_audio_ms']:7.1f} ms  endpoint->audio "
                       f"{obj['endpoint_to_first_audio_ms']:7.1f} ms  wer {obj['wer']:.2f}  {q!r} -> {obj['transcript']!r}", flush=True)
-    result: dict = {"summary": summarise(rows["a"], configs[0][1]) | {"lookahead": configs[0][2]}, "rows": rows["a"]}
+    result: dict = {"summary": summarise(rows["a"], configs[0][1]) | configs[0][2], "rows": rows["a"]}
     if args.compare:
         result["compare_flags"] = args.compare
-        result["summary_b"] = summarise(rows["b"], configs[1][1]) | {"lookahead": configs[1][2]}
+        result["summary_b"] = summarise(rows["b"], configs[1][1]) | configs[1][2]
         result["rows_b"] = rows["b"]
         diff = [b["end_of_speech_to_first_audio_ms"] - a["end_of_speech_to_first_audio_ms"] for a, b in zip(rows["a"], rows["b"])
                 if a["end_of_speech_to_first_audio_ms"] is not None and b["end_of_speech_to_first_audio_ms"] is not None]

@@ -109,6 +109,13 @@ class RoutingPolicy:
             return self.calibrator.threshold
         return 0.5 if self.config.threshold is None else self.config.threshold
 
+    def share_taken_elsewhere(self, share: float) -> None:
+        """Cloud tokens the router did not ask for (the cloud's check overruling the device)
+        make up `share` of the answer: calibrate the router to the rest of --cloud-fraction,
+        so the total stays on target. No effect with a fixed threshold."""
+        if self.calibrator is not None and self.config.cloud_fraction is not None:
+            self.calibrator.target = min(max(self.config.cloud_fraction - share, 0.01), self.config.cloud_fraction)
+
     def start_answer(self) -> None:
         self._position = 0
         self._routing = False

@@ -37,6 +37,22 @@ def test_ask_json_with_a_local_cloud(tmp_path):
     assert [r["writer"] for r in rows] == out["routes"]
 
 
+def test_ask_with_the_clouds_check():
+    """`--check`: one verify per clause instead of a round trip per hard token, no lookahead;
+    every overruled position is a cloud token the router had not flagged."""
+    p = run("ask", "what is the capital of france", "--json", "--max-tokens", "24", "--threshold", "0.6", "--check", "--check-nats", "1")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["lookahead_positions"] == [] and None not in out["scores"] and not out["degraded"]
+    for i in out["overruled_positions"]:
+        assert out["routes"][i] == "cloud" and out["scores"][i] < 0.6
+    flagged = [s >= 0.6 for s in out["scores"]]
+    assert all(r == "cloud" for r, f in zip(out["routes"], flagged) if f), "a flagged draft is the cloud's, kept or replaced"
+    assert 1 <= out["round_trips"] <= out["n_tokens"] and out["n_cloud_tokens"] >= len(out["overruled_positions"])
+    bad = run("ask", "hi", "--check", "--check-nats", "0", "--cloud", "none")
+    assert bad.returncode != 0 and "--check-nats" in bad.stderr
+
+
 def test_human_output_marks_cloud_tokens():
     p = run("ask", "what is the capital of france", "--max-tokens", "12", "--threshold", "0.0")
     assert p.returncode == 0, p.stderr

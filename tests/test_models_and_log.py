@@ -58,6 +58,15 @@ def test_calibrator_reaches_the_target_fraction():
     decisions = [policy.decide(float(s)) for s in rng.beta(2, 5, size=4000)]
     assert abs(np.mean(decisions[1000:]) - 0.2) < 0.03
     assert ScoreCalibrator(0.0).threshold > 1.0 and ScoreCalibrator(1.0).threshold == 0.0
+    # tokens the cloud's check overrules take 12% of the answer: the router is calibrated to the rest
+    policy.share_taken_elsewhere(0.12)
+    decisions = [policy.decide(float(s)) for s in rng.beta(2, 5, size=4000)]
+    assert abs(np.mean(decisions[1000:]) - 0.08) < 0.03
+    policy.share_taken_elsewhere(0.5)  # more than the whole target: the router still flags a little
+    assert policy.calibrator.target == 0.01
+    fixed = RoutingPolicy(PolicyConfig("router", threshold=0.4))
+    fixed.share_taken_elsewhere(0.1)
+    assert fixed.threshold == 0.4
 
 
 def test_routing_log_is_two_bytes_per_token_and_exports_jsonl():

@@ -170,6 +170,112 @@ def test_a_late_guess_is_ignored_and_skipped(edge_model, cloud_server):
         gen.close()
 
 
+def _segments(edge: LlamaModel, tokens: list[int], longest: int) -> int:
+    """How many drafts the check cuts an answer into: one token past each clause end, at the end
+    of generation, or after `longest`."""
+    from edge_client.decoder import ClauseEnds
+
+    ends, n, run, after_end = ClauseEnds(edge), 0, 0, False
+    for i, t in enumerate(tokens):
+        run += 1
+        if after_end or edge.is_eog(t) or run == longest or i == len(tokens) - 1:
+            n, run, after_end = n + 1, 0, False
+        else:
+            after_end = ends(t)
+    return n
+
+
+def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_model_server):
+    """The cloud's check with the same GGUF on both sides, greedy: the cloud accepts every draft,
+    so the answer is the device's own token for token, nothing is overruled, flagged drafts count
+    as the cloud's (it chose the same token), and each clause costs exactly one verify."""
+    edge_only = make_generator(edge_model, None, mode="edge")
+    gen = make_generator(edge_model, same_model_server, threshold=0.5)
+    gen.check = True
+    try:
+        for q in QUESTIONS:
+            expected = edge_only.generate(chat(q), max_tokens=MAX_TOKENS)
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            assert a.tokens == expected.tokens, q
+            assert not a.degraded and a.overruled_positions == [] and a.lookahead_positions == []
+            assert [s >= 0.5 for s in a.scores] == [r == "cloud" for r in a.routes]
+            assert a.round_trips == _segments(edge_model, a.tokens, gen.check_max_draft), q
+    finally:
+        gen.close()
+        edge_only.close()
+
+
+def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_info, cloud_server):
+    """The cloud's check over a real WebSocket with the default pair, checked against both models
+    run alone over the answer (teacher forcing, with a small tolerance for llama.cpp's
+    batch-dependent rounding): a device token is the device's own choice, unflagged, and within
+    `check_nats` to the cloud; a cloud token is the cloud's own choice, and where the router had
+    not flagged it (overruled), the device's choice was beyond `check_nats`. The eval's
+    `+verify` methods assume exactly this rule."""
+    nats, tol, threshold = 1.0, 0.15, 0.6
+    gen = make_generator(edge_model, cloud_server, threshold=threshold, timeout_s=10.0)
+    gen.check, gen.check_nats = True, nats
+    try:
+        kept_lenient = overruled = flagged = 0
+        for q in QUESTIONS:
+            a = gen.generate(chat(q), max_tokens=32)
+            assert not a.degraded and a.lookahead_positions == []
+            cloud = teacher_forced_logits(cloud_info, chat(q), a.tokens)
+            own = teacher_forced_logits(edge_info, chat(q), a.tokens)
+            for i, (token, route, score) in enumerate(zip(a.tokens, a.routes, a.scores)):
+                logp = cloud[i] - np.logaddexp.reduce(cloud[i].astype(np.float64))
+                if route == "edge":
+                    assert score < threshold, f"{q!r} position {i}: a flagged draft must be the cloud's"
+                    assert is_greedy_choice(own[i], token), f"{q!r} position {i}: not the device's own token"
+                    assert logp.max() - logp[token] <= nats + tol, f"{q!r} position {i}: kept beyond the tolerance"
+                    kept_lenient += int(logp[token] < logp.max() - 1e-3)
+                    continue
+                assert is_greedy_choice(cloud[i], token), f"{q!r} position {i}: not the cloud's own token"
+                if i in a.overruled_positions:
+                    assert score < threshold
+                    assert logp.max() - logp[int(np.argmax(own[i]))] > nats - tol, f"{q!r} position {i}: overruled without cause"
+                    overruled += 1
+                else:
+                    assert score >= threshold
+                    flagged += 1
+            assert 1 <= a.round_trips <= a.n_tokens
+        assert overruled > 0 and kept_lenient > 0 and flagged > 0, "the default pair is overruled, kept within the tolerance, and flagged"
+        assert 0 < gen.overruled_share < 1, "the running overruled share the router's calibration subtracts"
+    finally:
+        gen.close()
+
+
+def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_server):
+    """A verify that gets no answer (no wait at all here) loses the cloud for this answer: the
+    clause's drafts stand, flagged ones marked as fallbacks in the routing log, and the device
+    finishes alone. No token is lost: the answer is the device's own, token for token."""
+    from shared.routing_log import read
+
+    edge_only = make_generator(edge_model, None, mode="edge")
+    gen = make_generator(edge_model, cloud_server, threshold=0.5, timeout_s=0.0)
+    gen.check = True
+    try:
+        expected = edge_only.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
+        a = gen.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
+        assert a.tokens == expected.tokens and a.degraded and set(a.routes) == {"edge"}
+        assert [t.fallback for t in read(a.routing_log)] == [s >= 0.5 for s in a.scores]
+        assert any(s >= 0.5 for s in a.scores), "some draft was flagged"
+    finally:
+        gen.close()
+        edge_only.close()
+
+
+def test_check_refuses_a_tolerance_it_cannot_use(edge_model):
+    from shared.policy import PolicyConfig, RoutingPolicy
+    from shared.protocol import SamplingParams
+    from shared.router import HeuristicRouter
+
+    for nats in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="check_nats"):
+            RoutedGenerator(edge_model, HeuristicRouter("entropy", edge_model.n_vocab), RoutingPolicy(PolicyConfig("router")), SamplingParams(),
+                            check=True, check_nats=nats)
+
+
 def test_guess_regret_reads_the_clouds_top_list():
     from shared.sampling import Guess
 
@@ -190,6 +296,25 @@ def test_cloud_fraction_target_is_approached(edge_model, cloud_server):
             a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
             n, c = n + a.n_tokens, c + a.n_cloud_tokens
             assert a.n_cloud_tokens > 0, "calibrated from the first answer on (the router's prior)"
+        assert 0.18 <= c / n <= 0.42, f"cloud fraction {c / n:.2f} far from the 0.30 target"
+    finally:
+        gen.close()
+
+
+def test_cloud_fraction_counts_the_checks_overrules(edge_model, cloud_server):
+    """With the cloud's check, tokens it overrules are cloud tokens too: the router is calibrated
+    to what they leave of the target, so the total stays near it, not target + overrules."""
+    from shared.policy import PolicyConfig, RoutingPolicy
+
+    gen = make_generator(edge_model, cloud_server, timeout_s=10.0)
+    gen.policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=gen.router.threshold_for)
+    gen.check = True
+    try:
+        n = c = over = 0
+        for q in QUESTIONS * 2:
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            n, c, over = n + a.n_tokens, c + a.n_cloud_tokens, over + len(a.overruled_positions)
+        assert over > 0 and gen.policy.calibrator.target < 0.3
         assert 0.18 <= c / n <= 0.42, f"cloud fraction {c / n:.2f} far from the 0.30 target"
     finally:
         gen.close()

@@ -57,6 +57,20 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
     assert heard_as(obj["answer"], heard) >= 0.75, (obj["answer"], heard)
 
 
+def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch):
+    """`--check` in the voice app: the cloud checks each clause before it is released, so what is
+    spoken is the checked answer; the turn still completes its stages in order and is heard."""
+    monkeypatch.setattr(engines.gen, "check", True)
+    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    obj = run_file_turn(engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines)
+    a = obj["answer"]
+    assert a.strip() and obj["n_tokens"] > 0 and "cloud" in obj["routes"]
+    assert set(obj["timings_ms"]) >= set(STAGE_ORDER) and obj["end_of_speech_to_first_audio_ms"] > 0
+    reply, rate = read_wav(tmp_path / "r.wav")
+    heard = engines.transcriber.transcribe(resample(reply, rate, 16000))
+    assert heard_as(a, heard) >= 0.75, (a, heard)
+
+
 class _TimedGenerator:
     """The real generator, with the arrival time of every token recorded (a spy, not a stand-in)."""
 

@@ -206,6 +206,11 @@ def test_voice_flags_reach_the_pipeline_options():
     off = voice_options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--no-prefill", "--no-speculative"]))
     assert on.prefill_partials and on.speculative
     assert not off.prefill_partials and not off.speculative
+    from edge_client.cli import options_from_args
+
+    checked = options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "--check-nats", "2"]))
+    assert checked.check and checked.check_nats == 2.0
+    assert not options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check
 
 
 def test_a_dropped_speculation_leaves_no_stage_marks_behind():

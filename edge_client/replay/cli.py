@@ -63,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cloud-fraction", type=float, default=None, help="calibrate the router threshold to this token fraction")
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
     g.add_argument("--span", type=int, default=4, help="router-span: tokens per cloud call")
-    g.add_argument("--draft-max", type=int, default=12, help="router-verify/speculative: longest draft")
-    g.add_argument("--verify-nats", type=float, default=0.0, metavar="NATS",
-                   help="router-verify: the cloud also checks every drafted token and rejects one it finds more than NATS "
-                        "less likely than its own choice (0: only the router's flagged positions are checked; docs/router.md)")
+    g.add_argument("--draft-max", type=int, default=12, help="router-verify/router-check/speculative: longest draft")
+    g.add_argument("--check-nats", type=float, default=1.0, metavar="NATS",
+                   help="router-check: the cloud checks every drafted token and overrules one it finds more than NATS "
+                        "less likely than its own choice (docs/router.md)")
     g.add_argument("--sync-every", type=int, default=4, help="eager sync after this many final device tokens")
     g.add_argument("--max-tokens", type=int, default=48)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -106,7 +106,7 @@ def emulated_cloud(cloud_model: str, profile, seed: int, threads: int) -> Iterat
 
 def _config(args: argparse.Namespace, profile) -> dict:
     keep = ("policies", "sessions", "split", "limit", "seed", "edge_model", "cloud_model", "router", "threshold", "cloud_fraction",
-            "query_threshold", "span", "draft_max", "verify_nats", "sync_every", "max_tokens", "temperature", "threads", "audio", "settle_ms")
+            "query_threshold", "span", "draft_max", "check_nats", "sync_every", "max_tokens", "temperature", "threads", "audio", "settle_ms")
     cfg = {k: getattr(args, k) for k in keep}
     cfg["profile"] = profile.to_json()
     return cfg
@@ -232,8 +232,8 @@ def run(args: argparse.Namespace) -> dict:
                           stall_ms=args.stall_ms, up_mbps=args.up_mbps, down_mbps=args.down_mbps)
     if args.max_tokens < 1 or args.span < 1 or args.draft_max < 1:
         raise ReplayError("--max-tokens, --span and --draft-max must be >= 1")
-    if not 0.0 <= args.verify_nats < float("inf"):
-        raise ReplayError("--verify-nats must be a finite number of nats >= 0")
+    if not 0.0 < args.check_nats < float("inf"):
+        raise ReplayError("--check-nats must be a finite number of nats > 0")
     sessions = load_sessions(args.sessions, args.split, args.limit, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     config = _config(args, profile)
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
     done = {r["session"] for r in rows}
     todo = [s for s in sessions if s.id not in done]
     opts = RouterOptions(router=args.router, threshold=args.threshold, cloud_fraction=args.cloud_fraction, sync_every=args.sync_every,
-                         span=args.span, draft_max=args.draft_max, verify_nats=args.verify_nats, query_threshold=args.query_threshold, temperature=args.temperature,
+                         span=args.span, draft_max=args.draft_max, check_nats=args.check_nats, query_threshold=args.query_threshold, temperature=args.temperature,
                          seed=args.seed, threads=args.threads, cloud_model=args.cloud_model)
     edge_info, cloud_info = model_info(args.edge_model), model_info(args.cloud_model)
     meta = {"machine": machine_info(), "config": config, "models": {"edge": edge_info.name, "edge_fingerprint": edge_info.fingerprint,

@@ -6,10 +6,9 @@ Sampler) rather than by forking the generator, so the comparison measures the
 waiting strategy, not a different implementation of the same loop.
 
 Tokens reach the user (`emit`) only once they are final: in router-verify a
-drafted token after a flagged position waits for the verdict (with
-`--verify-nats`, every drafted token does, since the cloud checks them all); in
-speculative every drafted token does. That is the latency each strategy really
-costs.
+drafted token after a flagged position waits for the verdict; in speculative
+every drafted token does. That is the latency each strategy really costs.
+(router-check, where every draft waits, is the generator's own loop.)
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Callable
 
 from edge_client.answer import TokenEvent
 from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudToken, CloudUnavailable, session_holding
-from edge_client.decoder import EdgeDecoder
+from edge_client.decoder import ClauseEnds, EdgeDecoder
 from edge_client.generator import build_router
 from edge_client.replay.policies import PolicySpec, RouterOptions, make_policy
 from edge_client.replay.turn import Emitter, LinkFactory, TurnRecord
@@ -30,9 +29,6 @@ from shared.protocol import SamplingParams
 from shared.sampling import Sampler
 
 log = logging.getLogger(__name__)
-
-CLAUSE_END = (".", ",", ";", ":", "!", "?", "\n")
-
 
 class ReplayDriver:
     def __init__(self, spec: PolicySpec, edge: LlamaModel, links: LinkFactory, opts: RouterOptions) -> None:
@@ -47,7 +43,7 @@ class ReplayDriver:
         self.link: CloudLink | None = None
         self.light_mode = False
         self._stop: threading.Event | None = None
-        self._clause: dict[int, bool] = {}
+        self._is_clause_end = ClauseEnds(edge)
 
     # ---------------------------------------------------------------- Runner API
 
@@ -116,13 +112,6 @@ class ReplayDriver:
         if self._n_answer() > 0 and self.model.is_eog(h[-1]):
             return "stop"
         return "interrupted" if self._stopped() else "length"
-
-    def _is_clause_end(self, token: int) -> bool:
-        hit = self._clause.get(token)
-        if hit is None:
-            text = self.model.token_bytes(token).decode("utf-8", errors="ignore")
-            hit = self._clause[token] = any(c in text for c in CLAUSE_END) or self.model.is_eog(token)
-        return hit
 
     def _propose(self, score: bool = True) -> tuple[int, float]:
         """Device token and router score (1.0 when not asked) for the next position; not appended."""
@@ -193,14 +182,8 @@ class ReplayDriver:
     # ---------------------------------------------------------------- router-verify / speculative
 
     def _draft_and_verify(self, emit: Emitter, check_all: bool) -> None:
-        """Draft to a clause boundary; verify the flagged positions in one round trip.
-
-        With a tolerance (router-verify, `verify_nats` > 0) the cloud also checks every
-        other drafted token within that many nats, so no draft is final before its verdict.
-        """
+        """Draft to a clause boundary; verify the flagged positions in one round trip."""
         dec = self.decoder
-        tolerance = 0.0 if check_all else self.opts.verify_nats
-        check_every = tolerance > 0  # no draft is final before its verdict
         while not self._done():
             first_flag = -1
             flags: list[int] = []
@@ -214,14 +197,14 @@ class ReplayDriver:
                     flags.append(len(dec.history) - 1)
                     if first_flag < 0:
                         first_flag = len(dec.history) - 1
-                if first_flag < 0 and not check_every:  # nothing before it is in doubt: the token is final
+                if first_flag < 0:  # nothing before it is in doubt: the token is final
                     emit(token, "edge")
                     self._maybe_sync(len(dec.history))
                 if self._done() or self._is_clause_end(token) or n_draft >= self.opts.draft_max:
                     break
-            if not flags and not check_every:
+            if not flags:
                 continue
-            held_from = len(dec.history) - n_draft if check_every else first_flag
+            held_from = first_flag
             link = self.link
             if link is None:  # no cloud: the drafts stand
                 for t in dec.history[held_from:]:
@@ -231,7 +214,7 @@ class ReplayDriver:
             tokens = dec.history[base:]
             bonus = check_all and self._n_answer() < self._max and not self.model.is_eog(tokens[-1])
             try:
-                verdict = link.verify(tokens, [f - base for f in flags], bonus=bonus, tolerance=tolerance)
+                verdict = link.verify(tokens, [f - base for f in flags], bonus=bonus)
             except (CloudUnavailable, CloudError) as exc:
                 self._lose_cloud(exc)
                 for t in dec.history[held_from:]:

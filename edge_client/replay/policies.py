@@ -7,15 +7,18 @@
                     (RoutedGenerator with lookahead: the product's default)
     router-span     at a hard token the cloud writes up to --span tokens in one call
     router-verify   draft to the next clause boundary; send the flagged positions
-                    in one verify; roll back to the first rejected one. With
-                    --verify-nats N the cloud also rejects any drafted token it
-                    finds more than N nats less likely than its own choice
+                    in one verify; roll back to the first rejected one
+    router-check    the cloud's check (RoutedGenerator with check): like router-verify,
+                    but the cloud also overrules any drafted token it finds more than
+                    --check-nats less likely than its own choice, so every draft waits
+                    for its verdict
     speculative     verify every drafted position (lossless with greedy decoding)
     query           one decision per query (router score at the first answer position)
     session         a whole conversation on the cloud, unless it asks for light mode
 
-Router policies take a suffix `:nosync` to turn eager sync off (device
-tokens then travel only with the next cloud request); `:sync` is the default.
+Router policies other than router-check (whose every verify carries the clause)
+take a suffix `:nosync` to turn eager sync off (device tokens then travel only
+with the next cloud request); `:sync` is the default.
 The last five are implemented by `ReplayDriver` (driver.py), which reuses
 EdgeDecoder, CloudLink, Router and RoutingPolicy.
 """
@@ -34,9 +37,9 @@ from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.protocol import SamplingParams
 
-POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-lookahead", "router-span", "router-verify", "speculative")
+POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-lookahead", "router-span", "router-verify", "router-check", "speculative")
 ROUTER_KINDS = ("router-sync", "router-lookahead", "router-span", "router-verify")
-DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-lookahead,router-span,router-verify,speculative"
+DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-lookahead,router-span,router-verify,router-check,speculative"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +80,8 @@ class RouterOptions:
     warmup: int = 0
     sync_every: int = 4  # eager sync: send final device tokens after this many
     span: int = 4  # router-span: tokens the cloud writes per hard token
-    draft_max: int = 12  # router-verify / speculative: longest draft before a verify
-    verify_nats: float = 0.0  # router-verify: the cloud checks every drafted token within this many nats (0: flagged ones only)
+    draft_max: int = 12  # router-verify / router-check / speculative: longest draft before a verify
+    check_nats: float = 1.0  # router-check: the cloud overrules a drafted token over this many nats worse than its choice
     query_threshold: float | None = None  # query policy; default: threshold
     temperature: float = 0.0
     seed: int = 0
@@ -104,9 +107,9 @@ def make_policy(opts: RouterOptions, mode: str) -> RoutingPolicy:
 
 
 class GeneratorRunner:
-    """edge, cloud, router-sync, router-lookahead: the project's RoutedGenerator, unchanged."""
+    """edge, cloud, router-sync, router-lookahead, router-check: the project's RoutedGenerator, unchanged."""
 
-    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router", "router-lookahead": "router"}
+    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router", "router-lookahead": "router", "router-check": "router"}
 
     def __init__(self, spec: PolicySpec, edge: LlamaModel, links: LinkFactory | None, opts: RouterOptions) -> None:
         self.spec = spec
@@ -123,6 +126,9 @@ class GeneratorRunner:
             n_ctx=opts.n_ctx,
             threads=opts.threads,
             lookahead=spec.kind == "router-lookahead",
+            check=spec.kind == "router-check",
+            check_nats=opts.check_nats,
+            check_max_draft=opts.draft_max,
         )
 
     def start_session(self, light_mode: bool) -> None:
