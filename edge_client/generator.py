@@ -12,7 +12,10 @@ With the cloud's check (`check`) the device instead drafts to the end of a
 clause and the cloud checks the whole clause in one `verify`: flagged tokens
 exactly, the others within `check_nats`; the first rejected draft is replaced
 by the cloud's token and the rest is redrafted. Tokens are released only once
-checked, so a listener never hears one that is taken back.
+checked, so a listener never hears one that is taken back. With
+`check="after-first-clause"` the first clause is written as without the check
+(released at once, so the first audio is not delayed) and the check covers
+the rest of the answer, while the first clause is being spoken.
 
 If the cloud is lost, the answer continues on the device and is marked
 degraded; the next answer tries to reconnect.
@@ -48,6 +51,7 @@ from shared.sampling import Guess, Sampler
 
 log = logging.getLogger(__name__)
 
+CHECK_MODES = ("off", "all", "after-first-clause")
 OVERRULED_DECAY = 0.995  # per released token, for the running overruled share (half-life ~140 tokens)
 DEFAULT_SYSTEM_PROMPT = "You are a helpful voice assistant. Answer briefly, in one or two sentences."
 
@@ -83,7 +87,8 @@ class GeneratorOptions:
     # The cloud's check (docs/architecture.md, "check"): draft to a clause end, one verify per
     # clause; the cloud overrules a device token over check_nats worse than its own choice.
     # Better answers (docs/router.md) for a round trip per clause before it is released.
-    check: bool = False
+    # "all": the whole answer; "after-first-clause": the first clause goes out at once.
+    check: str = "off"
     check_nats: float = 1.0
     check_max_draft: int = 12  # longest draft before a verify when no clause ends
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -107,7 +112,7 @@ class RoutedGenerator:
         lookahead: bool = False,
         lookahead_nats: float = 1.0,
         lookahead_wait_s: float = 0.1,
-        check: bool = False,
+        check: str = "off",
         check_nats: float = 1.0,
         check_max_draft: int = 12,
     ) -> None:
@@ -120,7 +125,9 @@ class RoutedGenerator:
         self.lookahead = lookahead
         self.lookahead_nats = lookahead_nats
         self.lookahead_wait_s = lookahead_wait_s
-        if check and not 0.0 < check_nats < float("inf"):
+        if check not in CHECK_MODES:
+            raise ValueError(f"check must be one of {', '.join(CHECK_MODES)}, not {check!r}")
+        if check != "off" and not 0.0 < check_nats < float("inf"):
             raise ValueError(f"check_nats (--check-nats) must be a finite number of nats > 0, not {check_nats}")
         if check_max_draft < 1:
             raise ValueError(f"check_max_draft must be >= 1, not {check_max_draft}")
@@ -253,11 +260,13 @@ class RoutedGenerator:
             return len(answer.tokens) >= max_tokens or (stop is not None and stop.is_set())
 
         guess_due = False  # the last token came from the cloud with a lookahead guess to follow
+        checking = self.check == "all"  # drafts go to the cloud's check, clause by clause
+        after_clause_end = False  # for "after-first-clause": the last token ended the first clause
         while not finished():
             if self.policy.mode == "cloud" and self.link is not None:
                 self._stream_from_cloud(answer, max_tokens, accept, stop)
                 continue  # finished, or the stream broke off and the device carries on
-            if self.check and self.link is not None:
+            if checking and self.link is not None:
                 self._check_clause(sampler, answer, accept, max_tokens - len(answer.tokens), stop, router_ms)
                 continue  # without a cloud, the per-token loop below finishes on the device
             logits, hidden = self.decoder.next_distribution()
@@ -283,6 +292,8 @@ class RoutedGenerator:
             self.decoder.append(token)
             accept(token, route, score, fallback)
             self._maybe_sync()
+            if self.check == "after-first-clause" and not checking:  # check from the token after the one past the clause end
+                checking, after_clause_end = after_clause_end, self._clause_ends(token)
 
         ended = bool(answer.tokens) and self.edge.is_eog(answer.tokens[-1])
         interrupted = not ended and stop is not None and stop.is_set()

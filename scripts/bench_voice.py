@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument("--stop-delay-ms", type=int, default=None)
     ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
-    ap.add_argument("--check", action="store_true", help="the cloud's check: one verify per clause, tokens spoken only once checked")
+    ap.add_argument("--check", nargs="?", const="all", default="off", choices=["off", "all", "after-first-clause"],
+                    help="the cloud's check: one verify per clause, tokens spoken only once checked")
     ap.add_argument("--asr-threads", type=int, default=None, help="CTranslate2 threads for Whisper (not with --compare: one recogniser serves both)")
     return ap
 
@@ -75,7 +76,7 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     return vopts
 
 
-def generation_flags(args: argparse.Namespace) -> dict[str, bool]:
+def generation_flags(args: argparse.Namespace) -> dict[str, object]:
     """The generator settings a config changes (set on the one shared generator before each turn)."""
     return {"lookahead": not args.no_lookahead, "check": args.check}
 

@@ -56,7 +56,8 @@ def test_every_policy_reports_the_schema(all_policies):
     report = json.loads((out / "report.json").read_text())
     assert report["sessions"] == 3 and report["machine"]["cpu_count"] and report["models"]["cloud"]
     assert report["network"]["up"]["chunks"] > 0 and report["network"]["down"]["overhead_ms_p50"] is not None
-    assert set(report["goals"]) == {"router-sync", "router-sync:nosync", "router-lookahead", "router-span", "router-verify", "router-check", "speculative"}
+    assert set(report["goals"]) == {"router-sync", "router-sync:nosync", "router-lookahead", "router-span", "router-verify", "router-check",
+                                    "router-check-after-first-clause", "speculative"}
     md = (out / "report.md").read_text()
     assert "| router-verify |" in md and "emulator's own delay" in md
     for png in ("latency_cdf.png", "compute_vs_quality.png", "stages.png"):

@@ -191,7 +191,7 @@ def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_mod
     as the cloud's (it chose the same token), and each clause costs exactly one verify."""
     edge_only = make_generator(edge_model, None, mode="edge")
     gen = make_generator(edge_model, same_model_server, threshold=0.5)
-    gen.check = True
+    gen.check = "all"
     try:
         for q in QUESTIONS:
             expected = edge_only.generate(chat(q), max_tokens=MAX_TOKENS)
@@ -205,25 +205,44 @@ def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_mod
         edge_only.close()
 
 
-def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_info, cloud_server):
+def _check_start(edge: LlamaModel, tokens: list[int], mode: str) -> int:
+    """The first answer index the check covers: 0, or two past the first clause's end."""
+    from edge_client.decoder import ClauseEnds
+
+    if mode == "all":
+        return 0
+    ends = ClauseEnds(edge)
+    return next((i + 2 for i, t in enumerate(tokens) if ends(t)), len(tokens))
+
+
+@pytest.mark.parametrize("mode", ["all", "after-first-clause"])
+def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_info, cloud_server, mode):
     """The cloud's check over a real WebSocket with the default pair, checked against both models
     run alone over the answer (teacher forcing, with a small tolerance for llama.cpp's
-    batch-dependent rounding): a device token is the device's own choice, unflagged, and within
-    `check_nats` to the cloud; a cloud token is the cloud's own choice, and where the router had
-    not flagged it (overruled), the device's choice was beyond `check_nats`. The eval's
-    `+verify` methods assume exactly this rule."""
+    batch-dependent rounding): where the check covers the answer, a device token is the device's
+    own choice, unflagged, and within `check_nats` to the cloud; a cloud token is the cloud's own
+    choice, and where the router had not flagged it (overruled), the device's choice was beyond
+    `check_nats`. The eval's `+verify` methods assume exactly this rule. With
+    "after-first-clause" the first clause and one token more follow the per-token rules
+    (router and lookahead guesses, released at once), and the check takes over after them."""
     nats, tol, threshold = 1.0, 0.15, 0.6
     gen = make_generator(edge_model, cloud_server, threshold=threshold, timeout_s=10.0)
-    gen.check, gen.check_nats = True, nats
+    gen.check, gen.check_nats, gen.lookahead, gen.lookahead_wait_s = mode, nats, True, 5.0
     try:
         kept_lenient = overruled = flagged = 0
         for q in QUESTIONS:
             a = gen.generate(chat(q), max_tokens=32)
-            assert not a.degraded and a.lookahead_positions == []
+            assert not a.degraded
+            start = _check_start(edge_model, a.tokens, mode)
+            assert all(i < start for i in a.lookahead_positions) and all(i >= start for i in a.overruled_positions)
             cloud = teacher_forced_logits(cloud_info, chat(q), a.tokens)
             own = teacher_forced_logits(edge_info, chat(q), a.tokens)
             for i, (token, route, score) in enumerate(zip(a.tokens, a.routes, a.scores)):
                 logp = cloud[i] - np.logaddexp.reduce(cloud[i].astype(np.float64))
+                if i < start:  # per-token: the router decides, or the lookahead guess right after a cloud token
+                    if i not in a.lookahead_positions:
+                        assert (route == "cloud") == (score >= threshold), f"{q!r} position {i}"
+                    continue
                 if route == "edge":
                     assert score < threshold, f"{q!r} position {i}: a flagged draft must be the cloud's"
                     assert is_greedy_choice(own[i], token), f"{q!r} position {i}: not the device's own token"
@@ -238,8 +257,9 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
                 else:
                     assert score >= threshold
                     flagged += 1
-            assert 1 <= a.round_trips <= a.n_tokens
-        assert overruled > 0 and kept_lenient > 0 and flagged > 0, "the default pair is overruled, kept within the tolerance, and flagged"
+            assert (mode == "after-first-clause" or a.round_trips >= 1) and a.round_trips <= a.n_tokens
+        assert overruled > 0 and kept_lenient > 0, "the default pair is overruled and kept within the tolerance"
+        assert flagged > 0 or mode != "all", "and some drafts are flagged"
         assert 0 < gen.overruled_share < 1, "the running overruled share the router's calibration subtracts"
     finally:
         gen.close()
@@ -253,7 +273,7 @@ def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_s
 
     edge_only = make_generator(edge_model, None, mode="edge")
     gen = make_generator(edge_model, cloud_server, threshold=0.5, timeout_s=0.0)
-    gen.check = True
+    gen.check = "all"
     try:
         expected = edge_only.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
         a = gen.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
@@ -265,7 +285,7 @@ def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_s
         edge_only.close()
 
 
-def test_check_refuses_a_tolerance_it_cannot_use(edge_model):
+def test_check_refuses_settings_it_cannot_use(edge_model):
     from shared.policy import PolicyConfig, RoutingPolicy
     from shared.protocol import SamplingParams
     from shared.router import HeuristicRouter
@@ -273,7 +293,9 @@ def test_check_refuses_a_tolerance_it_cannot_use(edge_model):
     for nats in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="check_nats"):
             RoutedGenerator(edge_model, HeuristicRouter("entropy", edge_model.n_vocab), RoutingPolicy(PolicyConfig("router")), SamplingParams(),
-                            check=True, check_nats=nats)
+                            check="all", check_nats=nats)
+    with pytest.raises(ValueError, match="check must be one of"):
+        RoutedGenerator(edge_model, HeuristicRouter("entropy", edge_model.n_vocab), RoutingPolicy(PolicyConfig("router")), SamplingParams(), check="yes")
 
 
 def test_guess_regret_reads_the_clouds_top_list():
@@ -308,7 +330,7 @@ def test_cloud_fraction_counts_the_checks_overrules(edge_model, cloud_server):
 
     gen = make_generator(edge_model, cloud_server, timeout_s=10.0)
     gen.policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=gen.router.threshold_for)
-    gen.check = True
+    gen.check = "all"
     try:
         n = c = over = 0
         for q in QUESTIONS * 2:

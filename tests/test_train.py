@@ -164,7 +164,8 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     `--lookahead learned` adds the router with the cloud's guesses, whose taken guesses are
     counted among its cloud tokens (and never among the plain router's); `--verify random` adds
     random routing with the cloud's check of every device token, whose overruled tokens are
-    counted the same way."""
+    counted the same way, from the start and (`--verify-from after-first-clause`) after the first
+    clause, which is written with lookahead."""
     import shutil
 
     copy = tmp_path / "same-router.npz"
@@ -172,10 +173,13 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("what is the capital of france\nset an alarm for seven\n")
     train_main(["eval", "--router", str(DEFAULT_ROUTER), "--also", str(copy), "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
-                "--lookahead", "learned", "--lookahead-nats", "0", "--verify", "random", "--verify-nats", "1", "--out", str(tmp_path / "ev"), "--json"])
+                "--lookahead", "learned", "--lookahead-nats", "0", "--verify", "random", "--verify-nats", "1", "--verify-from", "all", "--verify-from", "after-first-clause", "--out", str(tmp_path / "ev"), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["methods"]["learned:same-router"] == result["methods"]["learned"]
-    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router", "learned+lookahead@0", "random+verify@1"}
+    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router", "learned+lookahead@0", "random+verify@1",
+                                                  "random+verify@1:after-first-clause"}
+    late = result["methods"]["random+verify@1:after-first-clause"]
+    assert all(p["overruled_fraction"] + p["lookahead_fraction"] <= p["cloud_fraction"] for p in late)
     ver, plain = result["methods"]["random+verify@1"], result["methods"]["random"]
     assert all(p["overruled_fraction"] <= p["cloud_fraction"] for p in ver)
     assert all(p["overruled_fraction"] == 0 for p in plain)
@@ -186,8 +190,8 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     assert any(p["lookahead_fraction"] > 0 for p in la), "the two models disagree right after some routed token"
     assert result["also"] == [str(copy)]
     for m, (lo, hi) in result["gap_recovered_at_30_ci95"].items():  # the full sample is one of the resamples
-        gap = result["gap_recovered_at_30"][m]
-        assert lo <= gap + 1e-4 and gap - 1e-4 <= hi, (m, lo, gap, hi)
+        gap = result["gap_recovered_at_30"][m]  # from points rounded to 4 decimals, hence the slack
+        assert lo <= gap + 1e-3 and gap - 1e-3 <= hi, (m, lo, gap, hi)
 
 
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")

@@ -57,14 +57,26 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
     assert heard_as(obj["answer"], heard) >= 0.75, (obj["answer"], heard)
 
 
-def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch):
-    """`--check` in the voice app: the cloud checks each clause before it is released, so what is
-    spoken is the checked answer; the turn still completes its stages in order and is heard."""
-    monkeypatch.setattr(engines.gen, "check", True)
-    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
-    obj = run_file_turn(engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines)
+@pytest.mark.parametrize("mode", ["all", "after-first-clause"])
+def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch, mode):
+    """`--check` in the voice app: the cloud checks each clause before it is released (with
+    "after-first-clause", each after the first), so what is spoken is the checked answer; the
+    turn still completes its stages and is heard. The generator's clause check is spied on (the
+    real method runs) to show the check ran."""
+    gen = engines.gen
+    checks: list[int] = []
+    real_check = gen._check_clause
+
+    def spy(*args, **kwargs):
+        checks.append(len(gen.decoder.history))
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "check", mode)
+    monkeypatch.setattr(gen, "_check_clause", spy)
+    q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    obj = run_file_turn(gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(max_tokens=40), realtime=True, engines=engines)
     a = obj["answer"]
-    assert a.strip() and obj["n_tokens"] > 0 and "cloud" in obj["routes"]
+    assert a.strip() and obj["n_tokens"] > 0 and len(checks) >= 1
     assert set(obj["timings_ms"]) >= set(STAGE_ORDER) and obj["end_of_speech_to_first_audio_ms"] > 0
     reply, rate = read_wav(tmp_path / "r.wav")
     heard = engines.transcriber.transcribe(resample(reply, rate, 16000))

@@ -209,8 +209,10 @@ def test_voice_flags_reach_the_pipeline_options():
     from edge_client.cli import options_from_args
 
     checked = options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "--check-nats", "2"]))
-    assert checked.check and checked.check_nats == 2.0
-    assert not options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check
+    assert checked.check == "all" and checked.check_nats == 2.0
+    late = options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "after-first-clause"]))
+    assert late.check == "after-first-clause"
+    assert options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check == "off"
 
 
 def test_a_dropped_speculation_leaves_no_stage_marks_behind():

@@ -12,11 +12,13 @@
                     but the cloud also overrules any drafted token it finds more than
                     --check-nats less likely than its own choice, so every draft waits
                     for its verdict
+    router-check-after-first-clause
+                    router-lookahead for the first clause, router-check for the rest
     speculative     verify every drafted position (lossless with greedy decoding)
     query           one decision per query (router score at the first answer position)
     session         a whole conversation on the cloud, unless it asks for light mode
 
-Router policies other than router-check (whose every verify carries the clause)
+Router policies other than the router-check ones (whose every verify carries the clause)
 take a suffix `:nosync` to turn eager sync off (device tokens then travel only
 with the next cloud request); `:sync` is the default.
 The last five are implemented by `ReplayDriver` (driver.py), which reuses
@@ -37,9 +39,9 @@ from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.protocol import SamplingParams
 
-POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-lookahead", "router-span", "router-verify", "router-check", "speculative")
+POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-lookahead", "router-span", "router-verify", "router-check", "router-check-after-first-clause", "speculative")
 ROUTER_KINDS = ("router-sync", "router-lookahead", "router-span", "router-verify")
-DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-lookahead,router-span,router-verify,router-check,speculative"
+DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-lookahead,router-span,router-verify,router-check,router-check-after-first-clause,speculative"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +109,11 @@ def make_policy(opts: RouterOptions, mode: str) -> RoutingPolicy:
 
 
 class GeneratorRunner:
-    """edge, cloud, router-sync, router-lookahead, router-check: the project's RoutedGenerator, unchanged."""
+    """edge, cloud, router-sync, router-lookahead and the router-check ones: the project's RoutedGenerator, unchanged."""
 
-    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router", "router-lookahead": "router", "router-check": "router"}
+    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router", "router-lookahead": "router", "router-check": "router",
+             "router-check-after-first-clause": "router"}
+    CHECKS = {"router-check": "all", "router-check-after-first-clause": "after-first-clause"}
 
     def __init__(self, spec: PolicySpec, edge: LlamaModel, links: LinkFactory | None, opts: RouterOptions) -> None:
         self.spec = spec
@@ -125,8 +129,8 @@ class GeneratorRunner:
             sync_every=opts.sync_every if spec.eager_sync else 0,
             n_ctx=opts.n_ctx,
             threads=opts.threads,
-            lookahead=spec.kind == "router-lookahead",
-            check=spec.kind == "router-check",
+            lookahead=spec.kind in ("router-lookahead", "router-check-after-first-clause"),
+            check=self.CHECKS.get(spec.kind, "off"),
             check_nats=opts.check_nats,
             check_max_draft=opts.draft_max,
         )

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run METHOD with the cloud checking every device token, as METHOD+verify@NATS (repeatable; docs/router.md)")
     p.add_argument("--verify-nats", type=float, action="append", default=[], metavar="NATS",
                    help="the check rejects a device token NATS less likely to the cloud than its own choice (repeatable; default 1)")
+    p.add_argument("--verify-from", action="append", default=[], choices=["all", "after-first-clause"],
+                   help="where the check starts: the whole answer (METHOD+verify@NATS, the default) or after the first clause, which "
+                        "is written with lookahead (METHOD+verify@NATS:after-first-clause; the generator's --check after-first-clause); repeatable")
 
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
@@ -160,7 +163,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     prompts, source = _prompts(args)
     opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch,
                        also=tuple(args.also), lookahead=tuple(args.lookahead), lookahead_nats=tuple(args.lookahead_nats or [1.0]),
-                       verify=tuple(args.verify), verify_nats=tuple(args.verify_nats or [1.0]))
+                       verify=tuple(args.verify), verify_nats=tuple(args.verify_nats or [1.0]), verify_from=tuple(args.verify_from or ["all"]))
     bar = None
     if not args.json:
         try:

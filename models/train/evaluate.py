@@ -19,9 +19,11 @@ entropy (thresholds calibrated on the same validation positions), random
 (threshold 1 - f on uniform scores), edge-only and cloud-only; with `also`,
 more learned routers side by side ("learned:<file stem>"); with `lookahead`,
 a method plus the cloud's guess after each routed token; with `verify`, a
-method plus the cloud's check of every device token (replay's router-verify
-with `--verify-nats`: a device token the cloud finds more than N nats less
-likely than its own choice is rolled back and rewritten by the cloud). Compare routers
+method plus the cloud's check of every device token (the generator's
+`--check`: a device token the cloud finds more than N nats less likely than
+its own choice is rolled back and rewritten by the cloud), from the start or
+after the first clause (which is then written with lookahead, as
+`--check after-first-clause` does). Compare routers
 within one run: llama.cpp's batched kernels are not batch-invariant, so even
 the edge-only figure moves by a few hundredths of a nat between runs, while
 within a run every method shares the same edge-only and cloud-only answers. Fractions 0 and
@@ -40,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from edge_client.decoder import ClauseEnds
 from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import model_info
 from models.train.label import chat
@@ -71,6 +74,7 @@ class EvalOptions:
     lookahead_nats: tuple[float, ...] = (1.0,)  # take a guess when the device's token is this much less likely to the cloud
     verify: tuple[str, ...] = ()  # methods also run with the cloud's check of every device token, as "<method>+verify@<nats>"
     verify_nats: tuple[float, ...] = (1.0,)  # the check overrules a device token this much less likely to the cloud
+    verify_from: tuple[str, ...] = ("all",)  # "all" and/or "after-first-clause" (then as "<method>+verify@<nats>:after-first-clause")
 
 
 @dataclass(slots=True)
@@ -87,6 +91,9 @@ class _Run:
     guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
     verify_nats: float | None = None  # the cloud checks every device token; one over this regret is rolled back and rewritten
     overruled: int = 0  # cloud tokens written where the check rejected the device's token
+    checking: bool = False  # the check covers this position (a verify run, from the start or after its first clause)
+    late_check: bool = False  # "after-first-clause": checking starts two tokens after the first clause end
+    after_clause_end: bool = False  # the last token ended the first clause
     tokens: list[int] = field(default_factory=list)
     routed: int = 0
     nll: float = 0.0
@@ -116,8 +123,11 @@ def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: 
         runs += [_Run(m, f, prompt, policy(m), routers[m]) for m in thresholds]
         runs += [_Run(f"{m}+lookahead@{nats:g}", f, prompt, policy(m), routers[m], lookahead=True, lookahead_nats=nats)
                  for m in opts.lookahead for nats in opts.lookahead_nats]
-        runs += [_Run(f"{m}+verify@{nats:g}", f, prompt, policy(m), routers[m], verify_nats=nats)
-                 for m in opts.verify for nats in opts.verify_nats]
+        runs += [_Run(f"{m}+verify@{nats:g}", f, prompt, policy(m), routers[m], verify_nats=nats, checking=True)
+                 for m in opts.verify for nats in opts.verify_nats if "all" in opts.verify_from]
+        runs += [_Run(f"{m}+verify@{nats:g}:after-first-clause", f, prompt, policy(m), routers[m], verify_nats=nats, late_check=True,
+                      lookahead=True, lookahead_nats=opts.lookahead_nats[0])
+                 for m in opts.verify for nats in opts.verify_nats if "after-first-clause" in opts.verify_from]
     return runs
 
 
@@ -169,6 +179,7 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
     sequence; when their next tokens differ the sequence is forked (KV cells shared), so
     e.g. edge-only and a 10% router run cost one sequence until the router first routes."""
     stepper.start([(p, [i]) for i, p in enumerate(prompts)])
+    clause_ends = ClauseEnds(stepper.edge)
     free = list(range(stepper.n_seq - 1, len(prompts) - 1, -1))
     seq_of: dict[int, int] = {}
     runs = [r for b in batch for r in b]
@@ -200,8 +211,8 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
                 if isinstance(run.router, RandomRouter) or key not in cache:
                     cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
                 hard = run.policy.decide(cache[key])
-                run.guess_ready = run.lookahead and hard
-            if not hard and run.verify_nats is not None and regret(v.cloud_logits, proposed) > run.verify_nats:
+                run.guess_ready = run.lookahead and hard and not run.checking
+            if not hard and run.checking and regret(v.cloud_logits, proposed) > run.verify_nats:
                 # router-verify with a tolerance: the cloud rejects this token when it checks the draft, the
                 # device rolls back to here and takes the cloud's token; greedy redrafting then follows
                 # exactly this path, so the answer is the same as deciding here.
@@ -211,6 +222,9 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
             run.nll += lse - float(v.cloud_logits[tok])
             run.routed += int(hard)
             run.tokens.append(tok)
+            if run.late_check and not run.checking:  # the check covers the positions after the one past the clause end
+                run.checking, run.after_clause_end = run.after_clause_end, clause_ends(tok)
+                run.guess_ready = run.guess_ready and not run.checking  # the generator's check ignores a pending guess
             if stepper.edge.is_eog(tok):
                 run.done = True
             else:
