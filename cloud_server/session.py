@@ -255,6 +255,13 @@ class Connection:
         self._device_tokens(msg.position, msg.tokens[: r.accepted])
         if r.token >= 0:
             self._cloud_token(msg.position + r.accepted, r.token)
+        if self.recorder is not None and msg.hidden is not None:  # flywheel (opt-in): the checked hard tokens, as for generate
+            rows = msg.hidden.reshape(len(msg.check), -1)
+            for off, hidden in zip(msg.check, rows):
+                if off > r.accepted or (off == r.accepted and r.token < 0):
+                    break
+                cloud = r.token if off == r.accepted else msg.tokens[off]
+                self.recorder.record(self.edge_model, hidden, msg.tokens[off], cloud, msg.position + off)
         prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
         await self.send(
             Verdict(request_id=msg.request_id, position=msg.position, accepted=r.accepted, token=r.token, logprob=r.logprob, compute_ms=r.compute_ms, eog=r.eog, prefill_ms=prefill_ms)

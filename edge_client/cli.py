@@ -14,7 +14,7 @@ import sys
 
 from edge_client.answer import Answer
 from edge_client.cloud_link import CloudRejected
-from edge_client.generator import DEFAULT_SYSTEM_PROMPT, GeneratorOptions, open_generator
+from edge_client.generator import CHECK_MODES, DEFAULT_CHECK, DEFAULT_SYSTEM_PROMPT, GeneratorOptions, open_generator
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, available_models
 
 
@@ -41,10 +41,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess for the token after each cloud token")
     p.add_argument("--lookahead-nats", type=float, default=1.0,
                    help="take the cloud's guess where it finds the device's token this many nats less likely (0: wherever they differ)")
-    p.add_argument("--check", nargs="?", const="all", default="off", choices=["off", "all", "after-first-clause"],
+    p.add_argument("--check", nargs="?", const="all", default=DEFAULT_CHECK, choices=CHECK_MODES,
                    help="the cloud's check: draft to each clause end, the cloud checks the clause in one round trip and "
-                        "overrules a device token over --check-nats worse than its own choice (better answers, a round trip per clause); "
-                        "'after-first-clause' lets the first clause out at once (no first-audio delay); --check alone means 'all'")
+                        "overrules a device token over --check-nats worse than its own choice (better answers, a round trip per clause). "
+                        "Default 'after-first-clause': the first clause goes out at once (no first-audio delay); --check alone means "
+                        "'all'; 'off': router and lookahead only")
     p.add_argument("--check-nats", type=float, default=1.0, help="with --check: how much less likely than the cloud's choice a device token may be")
     p.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
 

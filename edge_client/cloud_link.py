@@ -268,9 +268,10 @@ class CloudLink:
                 return Guess(reply.token, reply.logprob, reply.top_ids, reply.top_logprobs)
         return None
 
-    def verify(self, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0) -> Verdict:
+    def verify(self, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0, hidden: np.ndarray | None = None) -> Verdict:
         """Send the tokens the cloud lacks and have it check the drafts at `check` offsets
         (exactly) and, with `tolerance` > 0, every draft (within that many nats).
+        `hidden`: the hidden state at each `check` offset (rows), sent as float16.
 
         One round trip. Afterwards the cloud holds the accepted drafts plus the
         verdict's token (if any); `cloud_len` follows. The caller rolls its own
@@ -279,7 +280,8 @@ class CloudLink:
         request_id = self._next_request
         self._next_request += 1
         position = self.cloud_len
-        self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus, tolerance=tolerance))
+        self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus, tolerance=tolerance,
+                          hidden=None if hidden is None else hidden.astype(np.float16).ravel()))
         t0 = time.perf_counter()
         while True:
             reply = self._recv(self.timeout_s)

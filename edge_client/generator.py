@@ -52,6 +52,7 @@ from shared.sampling import Guess, Sampler
 log = logging.getLogger(__name__)
 
 CHECK_MODES = ("off", "all", "after-first-clause")
+DEFAULT_CHECK = "after-first-clause"  # no first-audio cost, better answers (docs/voice.md, docs/router.md)
 OVERRULED_DECAY = 0.995  # per released token, for the running overruled share (half-life ~140 tokens)
 DEFAULT_SYSTEM_PROMPT = "You are a helpful voice assistant. Answer briefly, in one or two sentences."
 
@@ -87,8 +88,9 @@ class GeneratorOptions:
     # The cloud's check (docs/architecture.md, "check"): draft to a clause end, one verify per
     # clause; the cloud overrules a device token over check_nats worse than its own choice.
     # Better answers (docs/router.md) for a round trip per clause before it is released.
-    # "all": the whole answer; "after-first-clause": the first clause goes out at once.
-    check: str = "off"
+    # "all": the whole answer; "after-first-clause" (the default): the first clause goes out at
+    # once and the check covers the rest while it is spoken (docs/voice.md: no first-audio cost).
+    check: str = DEFAULT_CHECK
     check_nats: float = 1.0
     check_max_draft: int = 12  # longest draft before a verify when no clause ends
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -355,6 +357,7 @@ class RoutedGenerator:
             return
         flagged: list[bool] = []
         scores: list[float] = []
+        hard_hidden: list[np.ndarray] = []  # the hidden state at each flagged draft: hard tokens travel with it
         after_clause_end = False
         while True:
             logits, hidden = dec.next_distribution()
@@ -363,6 +366,8 @@ class RoutedGenerator:
             score = self.router.score(hidden, logits, proposed)
             flagged.append(self.policy.decide(score))
             router_ms.append((time.perf_counter() - t0) * 1000.0)
+            if flagged[-1]:
+                hard_hidden.append(hidden.astype(np.float16))  # a copy: the view dies with the next decode
             scores.append(score)
             dec.append(proposed)
             if stop is not None and stop.is_set():
@@ -374,7 +379,7 @@ class RoutedGenerator:
         drafts = dec.history[start:]
         check = [i for i, f in enumerate(flagged) if f]
         try:
-            verdict = link.verify(drafts, check, tolerance=self.check_nats)
+            verdict = link.verify(drafts, check, tolerance=self.check_nats, hidden=np.stack(hard_hidden) if hard_hidden else None)
         except (CloudUnavailable, CloudError) as exc:
             self._lose_cloud(exc)
             for token, score, flag in zip(drafts, scores, flagged):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from voice_audio import spoken_wav, wer  # noqa: E402
 
-from edge_client.generator import GeneratorOptions, open_generator  # noqa: E402
+from edge_client.generator import CHECK_MODES, DEFAULT_CHECK, GeneratorOptions, open_generator  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
 
@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument("--stop-delay-ms", type=int, default=None)
     ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
-    ap.add_argument("--check", nargs="?", const="all", default="off", choices=["off", "all", "after-first-clause"],
-                    help="the cloud's check: one verify per clause, tokens spoken only once checked")
+    ap.add_argument("--check", nargs="?", const="all", default=DEFAULT_CHECK, choices=CHECK_MODES,
+                    help="the cloud's check (default: the generator's): one verify per clause, tokens spoken only once checked")
     ap.add_argument("--asr-threads", type=int, default=None, help="CTranslate2 threads for Whisper (not with --compare: one recogniser serves both)")
     return ap
 

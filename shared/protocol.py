@@ -183,6 +183,9 @@ class Verify:
     likely token is rejected (BiLD's rollback rule), one within it is kept.
     The cloud keeps the drafts up to the first rejected offset and writes its
     token there; with `bonus` and nothing rejected it also writes the next token.
+    `hidden` (binary payload, float16, optional) holds the device's hidden state at
+    each `check` offset, row after row: hard tokens travel with their hidden
+    state, as in `generate` (the flywheel records them).
     """
 
     type: ClassVar[str] = "verify"
@@ -192,6 +195,7 @@ class Verify:
     check: list[int]
     bonus: bool = False
     tolerance: float = 0.0  # nats; 0: only the `check` offsets are checked
+    hidden: np.ndarray | None = None  # len(check) rows of the hidden state, flattened
 
 
 @dataclass(slots=True)
@@ -367,6 +371,8 @@ def _check_ranges(msg: Message) -> None:
             raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tokens must not be empty")
         if not 0.0 <= msg.tolerance < float("inf"):
             raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tolerance must be a finite number of nats >= 0")
+        if msg.hidden is not None and (not msg.check or msg.hidden.size == 0 or msg.hidden.size % len(msg.check)):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: hidden must hold one equal row per check offset ({len(msg.check)})")
     if isinstance(msg, Next) and len(msg.top_ids) != len(msg.top_logprobs):
         raise ProtocolError(ErrorCode.BAD_FIELD, "next: top_ids and top_logprobs must have the same length")
     if isinstance(msg, Generate) and msg.max_tokens < 1:

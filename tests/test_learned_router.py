@@ -81,10 +81,14 @@ def test_generator_uses_the_learned_router_and_reports_drift():
     assert all(s is not None and 0.0 <= s <= 1.0 for s in answer.scores)
 
 
-def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info, cloud_info):
+@pytest.mark.parametrize("check", ["off", "all"])
+def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info, cloud_info, check):
+    """Hard tokens reach the recorder with their hidden state from `generate` (check off) and
+    from the cloud's check (`verify` carries the flagged drafts' hidden states)."""
     record = tmp_path / "live"
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]) as server:
-        opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, policy="router", cloud_fraction=None, threshold=0.0, max_tokens=10)
+        opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, policy="router", cloud_fraction=None, threshold=0.0, max_tokens=10,
+                                check=check)
         with open_generator(opts) as gen:
             answer = gen.generate(chat("set a timer for ten minutes"), max_tokens=10)
             answer2 = gen.generate(chat("what is the capital of france"), max_tokens=10)

@@ -24,6 +24,13 @@ def test_verify_round_trips_and_rejects_bad_offsets():
         decode(encode(Verify(request_id=1, position=0, tokens=[], check=[])))
     lenient = Verify(request_id=4, position=10, tokens=[5, 6], check=[], tolerance=1.5)
     assert decode(encode(lenient)) == lenient
+    rows = np.arange(6, dtype=np.float16)  # the hidden state at both check offsets, 3 wide
+    carried = decode(encode(Verify(request_id=5, position=10, tokens=[5, 6, 7], check=[0, 2], tolerance=1.0, hidden=rows)))
+    assert isinstance(carried, Verify) and np.array_equal(carried.hidden, rows) and carried.check == [0, 2]
+    for bad_rows, check in ((np.arange(5, dtype=np.float16), [0, 2]), (rows, [])):
+        with pytest.raises(ProtocolError, match="one equal row per check offset") as err:
+            decode(encode(Verify(request_id=6, position=10, tokens=[5, 6, 7], check=check, hidden=bad_rows)))
+        assert err.value.code == ErrorCode.BAD_FIELD
     for bad in ("-1", "NaN", "Infinity", '"1"'):
         with pytest.raises(ProtocolError, match="tolerance") as err:
             decode('{"type": "verify", "request_id": 1, "position": 0, "tokens": [5], "check": [], "tolerance": %s}' % bad)

@@ -212,7 +212,8 @@ def test_voice_flags_reach_the_pipeline_options():
     assert checked.check == "all" and checked.check_nats == 2.0
     late = options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "after-first-clause"]))
     assert late.check == "after-first-clause"
-    assert options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check == "off"
+    assert options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check == "after-first-clause"
+    assert options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "off"])).check == "off"
 
 
 def test_a_dropped_speculation_leaves_no_stage_marks_behind():

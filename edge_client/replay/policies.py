@@ -4,7 +4,7 @@
     cloud           cloud only, streamed                 (RoutedGenerator, policy cloud)
     router-sync     wait for the cloud at each hard token (RoutedGenerator, policy router)
     router-lookahead  router-sync plus the cloud's guess for the token after each hard one
-                    (RoutedGenerator with lookahead: the product's default)
+                    (RoutedGenerator with lookahead, without the check)
     router-span     at a hard token the cloud writes up to --span tokens in one call
     router-verify   draft to the next clause boundary; send the flagged positions
                     in one verify; roll back to the first rejected one
@@ -14,6 +14,7 @@
                     for its verdict
     router-check-after-first-clause
                     router-lookahead for the first clause, router-check for the rest
+                    (the product's default)
     speculative     verify every drafted position (lossless with greedy decoding)
     query           one decision per query (router score at the first answer position)
     session         a whole conversation on the cloud, unless it asks for light mode
