@@ -258,9 +258,9 @@ class Connection:
         if self.recorder is not None and msg.hidden is not None:  # flywheel (opt-in): the checked hard tokens, as for generate
             rows = msg.hidden.reshape(len(msg.check), -1)
             for off, hidden in zip(msg.check, rows):
-                if off > r.accepted or (off == r.accepted and r.token < 0):
+                if off > r.accepted:  # after the rejection: never written
                     break
-                cloud = r.token if off == r.accepted else msg.tokens[off]
+                cloud = r.token if off == r.accepted else msg.tokens[off]  # at the rejection, the cloud's own token
                 self.recorder.record(self.edge_model, hidden, msg.tokens[off], cloud, msg.position + off)
         prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
         await self.send(

@@ -281,7 +281,7 @@ class CloudLink:
         self._next_request += 1
         position = self.cloud_len
         self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus, tolerance=tolerance,
-                          hidden=None if hidden is None else hidden.astype(np.float16).ravel()))
+                          hidden=None if hidden is None else np.asarray(hidden, dtype=np.float16).reshape(-1)))
         t0 = time.perf_counter()
         while True:
             reply = self._recv(self.timeout_s)

@@ -351,7 +351,7 @@ class RoutedGenerator:
         assert link is not None
         start = len(dec.history)
         try:
-            link.sync(dec.history[link.cloud_len : start])  # normally nothing: each verdict leaves both in step
+            link.sync(dec.history[link.cloud_len : start])  # final tokens not yet synced (after a verdict: none)
         except CloudUnavailable as exc:
             self._lose_cloud(exc)
             return
@@ -387,15 +387,14 @@ class RoutedGenerator:
             return
         for token, score, flag in zip(drafts[: verdict.accepted], scores, flagged):
             accept(token, "cloud" if flag else "edge", score)
-        overruled = False
-        if verdict.token >= 0:  # the cloud rejected drafts[accepted] and wrote its own token there
-            at = min(verdict.accepted, len(drafts) - 1)
-            dec.truncate(start + verdict.accepted)
+        at = verdict.accepted  # the rejected draft, where the cloud wrote its own token (if any)
+        overruled = verdict.token >= 0 and at < len(drafts) and not flagged[at]
+        if verdict.token >= 0:
+            dec.truncate(start + at)
             dec.append(verdict.token)
-            overruled = not flagged[at]
             if overruled:
                 answer.overruled_positions.append(len(answer.tokens))
-            accept(verdict.token, "cloud", scores[at])
+            accept(verdict.token, "cloud", scores[at] if at < len(drafts) else None)
         self._track_overruled(verdict.accepted + (verdict.token >= 0), overruled)
 
     def _track_overruled(self, n_released: int, overruled: bool) -> None:
