@@ -9,6 +9,8 @@ demo: setup
 	$(PY) scripts/demo.py
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup

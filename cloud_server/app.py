@@ -10,6 +10,11 @@ state machine: frame size (uvicorn's ws_max_size and our own check), message
 rate (token bucket), idle time, slow readers (a send that cannot complete in
 send_timeout_s closes the connection; until then the session's own generation
 waits, so its output is never buffered without bound).
+
+Whatever ends a connection, the session is freed first (its KV cells at once),
+then a farewell and a close frame are sent within CLOSE_GRACE_S, else the
+connection is aborted. An unexpected exception closes only its own session
+(close code 1011) and logs at most one traceback per TRACEBACK_EVERY_S.
 """
 
 from __future__ import annotations
@@ -25,28 +30,33 @@ from fastapi import FastAPI, Response, WebSocket, WebSocketDisconnect
 from cloud_server.audit import AuditLog, AuditOptions
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
-from cloud_server.engine import CloudEngine, EngineWorker
+from cloud_server.engine import CloudEngine
+from cloud_server.engine_api import Worker
 from cloud_server.metrics import ServerMetrics
 from cloud_server.quotas import KeyPolicy, Quotas
+from cloud_server.remote_engine import RemoteEngine, RemoteWorker
+from cloud_server.scheduler import EngineWorker
 from cloud_server.services import Services
 from cloud_server.session import Connection, ConnectionDone
 from models.registry import model_info
-from shared.protocol import PROTOCOL_VERSION, Error, ErrorCode, Message, ProtocolError, decode, encode
+from shared.protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, Message, ProtocolError, Reject, decode, encode
 
 log = logging.getLogger(__name__)
 
 WS_PATH = "/v1/route"
 POLICY_VIOLATION = 1008
 GOING_AWAY = 1001
+INTERNAL_ERROR = 1011
+MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes, 2 of them the code
+CLOSE_GRACE_S = 1.0  # how long a farewell and the close frame may wait for room in the send buffer
+TRACEBACK_EVERY_S = 10.0  # at most one traceback per this many seconds, server-wide (the rest are counted)
 
 
-def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Any:
+def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Worker:
     """The embedded llama.cpp engine with its batch scheduler, or a remote completions engine."""
     info = model_info(config.model)
     if config.remote_url:
-        from cloud_server.remote_engine import RemoteEngine, RemoteWorker
-
-        engine = RemoteEngine(
+        remote = RemoteEngine(
             info,
             config.remote_url,
             model_name=config.remote_model,
@@ -56,7 +66,7 @@ def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Any:
             n_ctx=config.n_ctx,
             timeout_s=config.remote_timeout_s,
         )
-        return RemoteWorker(engine, concurrency=config.remote_concurrency)
+        return RemoteWorker(remote, concurrency=config.remote_concurrency)
     engine = CloudEngine(
         info,
         n_ctx=config.n_ctx,
@@ -75,13 +85,16 @@ def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Any:
 def create_app(config: ServerConfig) -> FastAPI:
     """Load the model and build the app (the model loads once, before serving)."""
     default_key = KeyPolicy(
-        max_sessions=config.key_max_sessions, tokens_per_minute=config.key_tokens_per_minute, max_cloud_fraction=config.key_max_cloud_fraction
+        max_sessions=config.key_max_sessions,
+        tokens_per_minute=config.key_tokens_per_minute,
+        max_cloud_fraction=config.key_max_cloud_fraction,
     )
     keys = KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
     info = model_info(config.model)
     metrics = ServerMetrics()
     audit = AuditLog(
-        AuditOptions(config.audit_dir, config.audit_sample_rate, config.audit_retention_days, config.audit_token_ids), cloud_model=info.fingerprint
+        AuditOptions(config.audit_dir, config.audit_sample_rate, config.audit_retention_days, config.audit_token_ids),
+        cloud_model=info.fingerprint,
     )
     services = Services(quotas=Quotas(), metrics=metrics, audit=audit, abuse_warmup_tokens=config.abuse_warmup_tokens)
     worker = build_worker(config, metrics)
@@ -119,6 +132,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    failures = _FailureLog(TRACEBACK_EVERY_S)
+    app.add_middleware(_TransportAccess)
+
     @app.websocket(WS_PATH)
     async def route(ws: WebSocket) -> None:
         await ws.accept()
@@ -131,50 +147,66 @@ def create_app(config: ServerConfig) -> FastAPI:
                 await asyncio.wait_for(coro, config.send_timeout_s)
             except asyncio.TimeoutError:
                 metrics.rejections.labels("slow_reader").inc()
-                raise ConnectionDone(f"the device read nothing for {config.send_timeout_s:.0f} s") from None
+                raise _SlowReader(f"slow reader: read nothing for {config.send_timeout_s:g} s") from None
 
         conn = Connection(worker, config, keys, info, send, services)
         limiter = _RateLimit(config.max_messages_per_s)
+        close: tuple[int, str] | None = (1000, "")  # the close frame to send; None: the client is gone
+        farewell: Message | None = None  # sent after the session is freed, before the close frame
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
                 except asyncio.TimeoutError:
                     metrics.rejections.labels("idle").inc()
-                    await _close_quietly(ws, GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
+                    close = (GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
                     break
                 if event["type"] == "websocket.disconnect":
+                    close = None
                     break
                 frame = event.get("bytes") if event.get("bytes") is not None else event.get("text", "")
                 try:
                     if not limiter.allow():
                         metrics.rejections.labels("message_rate").inc()
-                        raise ProtocolError(ErrorCode.BUSY, f"rate limit: at most {config.max_messages_per_s:g} messages per second")
+                        raise ProtocolError(
+                            ErrorCode.BUSY, f"rate limit: at most {config.max_messages_per_s:g} messages per second"
+                        )
                     await conn.on_message(_decode(frame, config.max_message_bytes))
                 except ProtocolError as exc:
                     conn.n_errors += 1
                     metrics.protocol_errors.labels(exc.code).inc()
                     log.info("session %s: %s", conn.session_id or "-", exc)
+                    if exc.mtype == Hello.type and conn.seq is None:  # a broken hello: refused like any other
+                        metrics.rejections.labels(exc.code).inc()
+                        await send(Reject(code=exc.code, reason=exc.message))
+                        close = (POLICY_VIOLATION, exc.message)
+                        break
                     await send(Error(code=exc.code, message=exc.message, request_id=_request_id(frame)))
                     if conn.n_errors >= config.max_errors_per_connection:
-                        await _close_quietly(ws, POLICY_VIOLATION, "too many protocol errors")
+                        close = (POLICY_VIOLATION, "too many protocol errors")
                         break
+        except _SlowReader as slow:  # nothing more can be written: free the session now, then drop the socket
+            close = (POLICY_VIOLATION, str(slow))
         except ConnectionDone as done:
-            await _close_quietly(ws, 1000, str(done)[:120])
+            close = (1000, str(done))
         except WebSocketDisconnect:
-            pass
-        except Exception:  # never let one session take the server down
+            close = None
+        except Exception:  # never let one session take the server down, nor flood the log
             if _client_gone(ws):
                 log.debug("session %s: the device went away", conn.session_id or "-")
+                close = None
             else:
-                log.exception("session %s failed", conn.session_id or "-")
-                try:
-                    await send(Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed"))
-                except Exception:
-                    pass
-            await _close_quietly(ws)
+                failures.report(f"session {conn.session_id or '-'}")
+                metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
+                farewell = Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed")
+                close = (INTERNAL_ERROR, "internal server error")
         finally:
-            await conn.close()
+            try:  # the session first: its KV cells are free at once, whatever the socket does next
+                await conn.close()
+            except Exception:
+                failures.report(f"closing session {conn.session_id or '-'}")
+            if close is not None:
+                await _close_socket(ws, *close, farewell=farewell, timeout_s=min(config.send_timeout_s, CLOSE_GRACE_S))
 
     return app
 
@@ -198,17 +230,82 @@ class _RateLimit:
         return False
 
 
+class _SlowReader(ConnectionDone):
+    """A send did not complete within send_timeout_s: the device reads nothing."""
+
+
+class _FailureLog:
+    """At most one traceback per `every_s` seconds server-wide; the others are counted and the count
+    is reported with the next one. Why: a client that can make its session fail must not be able
+    to flood the log (50 such connections once wrote 44 KB of tracebacks in 0.2 s)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.suppressed = 0
+        self._last = -float("inf")
+
+    def report(self, what: str) -> None:
+        """Log the exception being handled, if no traceback was logged in the last `every_s` seconds."""
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            log.debug("%s failed (traceback not repeated)", what)
+            return
+        self._last, n, self.suppressed = now, self.suppressed, 0
+        more = f" ({n} more failures since the last traceback)" if n else ""
+        log.error("%s failed; the session is closed%s", what, more, exc_info=True)
+
+
+_TRANSPORT = "tokenrouter.transport"
+
+
+class _TransportAccess:
+    """ASGI middleware: puts the connection's asyncio transport (uvicorn's) in the scope.
+
+    Why: ASGI has no way to abort a connection, and its close waits for room in the send buffer,
+    which a client that reads nothing never makes; its socket would stay open, buffer and all."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if transport is not None and hasattr(transport, "abort"):
+                scope[_TRANSPORT] = transport
+        await self.app(scope, receive, send)
+
+
 def _client_gone(ws: WebSocket) -> bool:
     from starlette.websockets import WebSocketState
 
     return ws.client_state == WebSocketState.DISCONNECTED or ws.application_state == WebSocketState.DISCONNECTED
 
 
-async def _close_quietly(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
+def close_reason(text: str) -> str:
+    """A WebSocket close reason: valid UTF-8 of at most 123 bytes (RFC 6455), whatever the client
+    sent (unpaired surrogates, long multi-byte text); websockets refuses to send any other."""
+    return text.encode("utf-8", "replace")[:MAX_CLOSE_REASON_BYTES].decode("utf-8", "ignore")
+
+
+async def _close_socket(
+    ws: WebSocket, code: int, reason: str, farewell: Message | None = None, timeout_s: float = 1.0
+) -> None:
+    """Send `farewell` (if any) and a close frame, each within `timeout_s`; if the socket cannot
+    take them in time (the client reads nothing), abort the connection instead of leaving it open."""
     try:
-        await ws.close(code, reason)
-    except Exception:
+        if farewell is not None:
+            frame = encode(farewell)
+            await asyncio.wait_for(ws.send_text(frame) if isinstance(frame, str) else ws.send_bytes(frame), timeout_s)
+        await asyncio.wait_for(ws.close(code, close_reason(reason)), timeout_s)
+        return
+    except asyncio.TimeoutError:
         pass
+    except Exception:  # already closed by the client
+        return
+    transport = ws.scope.get(_TRANSPORT)
+    if transport is not None and not transport.is_closing():
+        transport.abort()
 
 
 def _decode(frame: str | bytes, max_bytes: int) -> Message:
@@ -226,6 +323,8 @@ def _request_id(frame: str | bytes) -> int | None:
     try:
         text = frame if isinstance(frame, str) else frame[4 : 4 + int.from_bytes(frame[:4], "big")]
         rid = json.loads(text).get("request_id")
-        return rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None  # never echo an invalid id
+        return (
+            rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
+        )  # never echo an invalid id
     except Exception:
         return None

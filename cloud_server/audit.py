@@ -71,7 +71,9 @@ class SessionAudit:
         del self._ids[keep:]
 
     def to_log(self, edge_model: str, cloud_model: str) -> RoutingLog:
-        rlog = RoutingLog(edge_model=edge_model, cloud_model=cloud_model, start_position=self.start, record_token_ids=self.token_ids)
+        rlog = RoutingLog(
+            edge_model=edge_model, cloud_model=cloud_model, start_position=self.start, record_token_ids=self.token_ids
+        )
         for i, w in enumerate(self._writers):
             rlog.append("cloud" if w else "edge", None, self._ids[i] if self.token_ids else 0)
         return rlog

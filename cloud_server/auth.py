@@ -78,5 +78,8 @@ class KeyChecker:
             if hmac.compare_digest(d, known):
                 found = self._policies[known]
         if found is None and self.insecure:
-            return KeyPolicy(name="anonymous", **{f: getattr(self.default, f) for f in ("max_sessions", "tokens_per_minute", "max_cloud_fraction")})
+            return KeyPolicy(
+                name="anonymous",
+                **{f: getattr(self.default, f) for f in ("max_sessions", "tokens_per_minute", "max_cloud_fraction")},
+            )
         return found

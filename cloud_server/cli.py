@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import socket
 import sys
 
+from cloud_server.app import create_app
 from cloud_server.auth import digest, load_keys
-from cloud_server.config import ServerConfig
+from cloud_server.config import READY_LINE, ServerConfig
+from cloud_server.logs import setup_logging
 from models.registry import DEFAULT_CLOUD_MODEL, ModelNotFoundError
-
-READY_LINE = "TOKENROUTER_CLOUD_READY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--log-level", default="warning")
-    s.add_argument("--record-dir", metavar="DIR", help="flywheel (off by default, a privacy choice): record live hard tokens as training shards in DIR")
+    s.add_argument(
+        "--record-dir",
+        metavar="DIR",
+        help="flywheel (off by default, a privacy choice): record live hard tokens as training shards in DIR",
+    )
     s.add_argument("--ssl-certfile", help="serve wss:// with this certificate (uvicorn's TLS)")
     s.add_argument("--ssl-keyfile")
     _add_production_flags(s)
@@ -43,34 +45,77 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
     """Scheduling, KV budget, limits, quotas, audit and remote-engine options (docs/server.md)."""
     d = ServerConfig()
     g = s.add_argument_group("scheduling and KV budget")
-    g.add_argument("--kv-slots", type=int, default=None, help="sessions holding KV cells at once (default: --max-sessions)")
-    g.add_argument("--evict-mode", choices=("recompute", "save"), default=d.evict_mode, help="what happens to an evicted idle session's KV")
-    g.add_argument("--max-saved-mib", type=int, default=d.max_saved_bytes >> 20, help="host memory for saved KV states (evict-mode save)")
+    g.add_argument(
+        "--kv-slots", type=int, default=None, help="sessions holding KV cells at once (default: --max-sessions)"
+    )
+    g.add_argument(
+        "--evict-mode",
+        choices=("recompute", "save"),
+        default=d.evict_mode,
+        help="what happens to an evicted idle session's KV",
+    )
+    g.add_argument(
+        "--max-saved-mib",
+        type=int,
+        default=d.max_saved_bytes >> 20,
+        help="host memory for saved KV states (evict-mode save)",
+    )
     g.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per batched decode")
-    g.add_argument("--n-gpu-layers", type=int, default=0, help="offload this many layers to the GPU (CUDA build; -1 = all)")
-    g.add_argument("--kv-layout", choices=("unified", "split"), default=d.kv_layout,
-                   help="split: each slot holds n_ctx/kv_slots cells, attention per session only (recommended for many sessions)")
+    g.add_argument(
+        "--n-gpu-layers", type=int, default=0, help="offload this many layers to the GPU (CUDA build; -1 = all)"
+    )
+    g.add_argument(
+        "--kv-layout",
+        choices=("unified", "split"),
+        default=d.kv_layout,
+        help="split: each slot holds n_ctx/kv_slots cells, attention per session only (recommended for many sessions)",
+    )
     g = s.add_argument_group("limits and quotas")
     g.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
-    g.add_argument("--max-messages-per-s", type=float, default=d.max_messages_per_s, help="per connection (bursts of 2x)")
+    g.add_argument(
+        "--max-messages-per-s", type=float, default=d.max_messages_per_s, help="per connection (bursts of 2x)"
+    )
     g.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
-    g.add_argument("--send-timeout-s", type=float, default=d.send_timeout_s, help="disconnect a device that reads nothing this long")
+    g.add_argument(
+        "--send-timeout-s",
+        type=float,
+        default=d.send_timeout_s,
+        help="disconnect a device that reads nothing this long",
+    )
     g.add_argument("--key-max-sessions", type=int, default=None, help="default per-key concurrent sessions")
     g.add_argument("--key-tokens-per-minute", type=int, default=None, help="default per-key cloud tokens per minute")
-    g.add_argument("--key-max-cloud-fraction", type=float, default=None, help="default abuse cap on a session's cloud-token fraction")
-    g.add_argument("--abuse-warmup-tokens", type=int, default=d.abuse_warmup_tokens, help="tokens before the cloud-fraction cap applies")
-    g.add_argument("--socket-sndbuf", type=int, default=0, help=argparse.SUPPRESS)  # tests: small kernel buffers show backpressure
+    g.add_argument(
+        "--key-max-cloud-fraction",
+        type=float,
+        default=None,
+        help="default abuse cap on a session's cloud-token fraction",
+    )
+    g.add_argument(
+        "--abuse-warmup-tokens",
+        type=int,
+        default=d.abuse_warmup_tokens,
+        help="tokens before the cloud-fraction cap applies",
+    )
+    g.add_argument(
+        "--socket-sndbuf", type=int, default=0, help=argparse.SUPPRESS
+    )  # tests: small kernel buffers show backpressure
     g = s.add_argument_group("audit log")
     g.add_argument("--audit-dir", help="keep per-session routing logs here")
     g.add_argument("--audit-sample-rate", type=float, default=d.audit_sample_rate)
     g.add_argument("--audit-retention-days", type=float, default=d.audit_retention_days)
     g.add_argument("--audit-token-ids", action="store_true", help="also store token ids (off: privacy)")
     g = s.add_argument_group("remote engine (OpenAI-compatible completions: vLLM, SGLang, llama.cpp server)")
-    g.add_argument("--remote-url", help="e.g. http://vllm:8000/v1; --model then names a GGUF of the same model for its tokenizer")
+    g.add_argument(
+        "--remote-url", help="e.g. http://vllm:8000/v1; --model then names a GGUF of the same model for its tokenizer"
+    )
     g.add_argument("--remote-model", default="", help="model name the remote server serves")
-    g.add_argument("--remote-api-key", default="", help="bearer token for the remote server (or $TOKENROUTER_REMOTE_API_KEY)")
+    g.add_argument(
+        "--remote-api-key", default="", help="bearer token for the remote server (or $TOKENROUTER_REMOTE_API_KEY)"
+    )
     g.add_argument("--remote-prompt-format", choices=("ids", "text"), default=d.remote_prompt_format)
-    g.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one structured object per line")
+    g.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="json: one structured object per line"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "hash-key":
         print(digest(args.key))
         return
-    _setup_logging(args.log_level, args.log_format)
+    setup_logging(args.log_level, args.log_format)
     config = ServerConfig(
         model=args.model,
         api_keys=load_keys(args.api_keys),
@@ -113,8 +158,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     import uvicorn
 
-    from cloud_server.app import create_app
-
     try:
         app = create_app(config)
     except (ModelNotFoundError, ValueError) as exc:
@@ -133,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.Config(
             app,
             log_level=args.log_level,
+            log_config=None,  # uvicorn's loggers go through our handler: one format, no query strings
             ws_max_size=config.max_message_bytes + 4096,  # our own check answers with a clear error first
             ws_ping_interval=20,
             ssl_certfile=args.ssl_certfile,
@@ -142,25 +186,6 @@ def main(argv: list[str] | None = None) -> None:
     scheme = "wss" if args.ssl_certfile else "ws"
     print(f"{READY_LINE} url={scheme}://{args.host}:{port}/v1/route port={port}", flush=True)
     server.run(sockets=[sock])
-
-
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message (and the exception, if any)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def _setup_logging(level: str, fmt: str) -> None:
-    if fmt == "json":
-        handler = logging.StreamHandler()
-        handler.setFormatter(_JsonFormatter())
-        logging.basicConfig(level=level.upper(), handlers=[handler])
-    else:
-        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 if __name__ == "__main__":

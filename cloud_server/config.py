@@ -7,11 +7,16 @@ from dataclasses import dataclass, field
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.protocol import MAX_MESSAGE_BYTES
 
+# the line `tokenrouter-cloud serve` prints once it listens (cloud_server/local.py waits for it)
+READY_LINE = "TOKENROUTER_CLOUD_READY"
+
 
 @dataclass(slots=True)
 class ServerConfig:
     model: str = DEFAULT_CLOUD_MODEL
-    api_keys: list[str] = field(default_factory=list)  # plain keys or "sha256:<hex>" digests, with optional quota options
+    api_keys: list[str] = field(
+        default_factory=list
+    )  # plain keys or "sha256:<hex>" digests, with optional quota options
     insecure: bool = False  # accept any key (local use only)
     n_ctx: int = 8192  # KV cells shared by all sessions: the KV memory budget
     max_sessions: int = 16  # open sessions (connections past hello)
@@ -21,7 +26,9 @@ class ServerConfig:
     idle_timeout_s: float = 300.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a device that reads nothing this long is disconnected (slow reader)
     threads: int | None = None
-    record_dir: str | None = None  # flywheel: record live hard tokens as training shards (off by default; a privacy choice)
+    record_dir: str | None = (
+        None  # flywheel: record live hard tokens as training shards (off by default; a privacy choice)
+    )
     # scheduling and the KV budget (embedded engine)
     kv_slots: int | None = None  # sessions holding KV cells at once (default max_sessions, at most 256)
     evict_mode: str = "recompute"  # "recompute" (re-prefill from history) or "save" (KV copied to host memory)

@@ -1,13 +1,13 @@
-"""The cloud's model engine: one llama.cpp context, one sequence per session.
+"""The cloud's embedded model engine: one llama.cpp context, one sequence per session.
 
-Why one shared context rather than saving and restoring each session's state:
-switching a session in by `llama_state_seq_set_data` costs a copy of its whole
-KV cache (measured in docs/benchmarks.md), while sequences in one unified KV
-pool cost nothing to switch and let one decode serve several sessions.
+Sessions share one KV pool (cloud_server/kv_pool.py: slots, the cell budget,
+LRU eviction, save/restore); this module decodes, writes tokens and judges
+drafts. It implements `Engine` (cloud_server/engine_api.py) and, for the batch
+scheduler, `BatchEngine.step` (cloud_server/batch.py).
 
 Not thread-safe by design: every call runs on the server's single engine
-thread (see `EngineWorker`), which also makes the order of a session's
-operations the order its messages arrived in.
+thread (see `EngineWorker` in cloud_server/scheduler.py), which also makes the
+order of a session's operations the order its messages arrived in.
 
 A prefill (the background work after a `sync`) decodes the whole history and
 keeps a copy of the next position's logits (`SeqState.ready`). A hard-token
@@ -17,50 +17,58 @@ a round trip, not for the model. Any other change of the history (new tokens,
 a rollback, a verify) drops the copy, and `generate` decodes at least the last
 token, so its logits are fresh even if other sessions decoded in between.
 
-The pool is a budget: when it (or the sequence slots) runs out, idle
-sessions are evicted least recently used first and rebuilt when they return
-(docs/server.md gives the memory per session). Sessions are named by a
-handle that stays the same across eviction; `SeqState.seq` is the llama.cpp
-sequence they occupy while resident.
+Who writes a token is decided by shared/decision.py: `generate` writes
+`cloud_choice` (a proposed token within TIE_NATS of the best stands under
+greedy decoding, since llama.cpp's batched and one-token kernels differ
+bitwise) and `verify` judges each draft with `judge_draft`.
+
+Batch isolation: a batched decode that fails is split in halves and retried,
+down to the request that fails alone; a session whose logits are not finite
+fails alone (its cells are dropped). No other session sees the error.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, TypeVar
+from dataclasses import dataclass
+from typing import NoReturn
 
 import llama_cpp as lc
 import numpy as np
 
-from models.registry import ModelInfo
+from cloud_server.batch import GENERATE, Request, StepOutcome, StepReport
+from cloud_server.engine_api import (
+    Capabilities,
+    EmptyHistory,
+    EngineError,
+    EngineFailed,
+    EngineFull,
+    GenerateResult,
+    NotSupported,
+    VerifyResult,
+)
+from cloud_server.kv_pool import EVICT_MODES, EngineStats, KVPool, Residency
+from shared.decision import cloud_choice, judge_draft
 from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaModel
+from shared.model_info import ModelInfo
 from shared.protocol import SamplingParams
-from shared.sampling import NO_GUESS, Guess, Sampler, log_softmax_at, regret
+from shared.sampling import NO_GUESS, Guess, Sampler, SamplingError, log_softmax_at
 
-if TYPE_CHECKING:
-    from cloud_server.scheduler import BatchObserver
+__all__ = ["CloudEngine", "EngineStats", "SeqState"]
 
-T = TypeVar("T")
-
-
-class EngineFull(RuntimeError):
-    """No free sequence slot or KV cells for a session."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class SeqState:
-    seq: int  # llama.cpp sequence id while resident in the KV cache; -1 while evicted
+    """One session: its token history (the truth), its sampler, and where its KV lives (`kv`)."""
+
+    kv: Residency
     history: list[int]
     sampler: Sampler
-    n_decoded: int = 0  # history[:n_decoded] is in the KV cache (or in `saved`)
     compute_s: float = 0.0
-    handle: int = -1  # the session's id for callers: stable across eviction and restore
-    last_used: float = 0.0  # for least-recently-used eviction
-    saved: bytes | None = None  # KV state kept in host memory while evicted (evict_mode "save")
-    evicted: bool = False  # was evicted since its last decode (counts a restore)
-    ready: np.ndarray | None = None  # logits of the next position, kept by a prefill; valid while ready_len == len(history)
+    ready: np.ndarray | None = None  # next position's logits kept by a prefill; valid while ready_len == len(history)
     ready_len: int = -1
     guess: int = -1  # the token announced for the next position (a `next` message), written if asked there
     guess_logprob: float = 0.0
@@ -88,44 +96,23 @@ class SeqState:
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """Counters the metrics endpoint reads."""
+class _Planned:
+    """A request's share of one batched decode: its session's history up to `end`."""
 
-    evictions: int = 0
-    restores_loaded: int = 0  # state copied back from host memory
-    restores_recomputed: int = 0  # rebuilt by re-prefill from the token history
-    recomputed_tokens: int = 0
-    saved_bytes: int = 0  # host memory held by saved states now
-
-
-@dataclass(slots=True)
-class GenerateResult:
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    compute_ms: float = 0.0
-    eog: bool = False
-
-
-@dataclass(slots=True)
-class VerifyResult:
-    accepted: int
-    token: int = -1
-    logprob: float = 0.0
-    compute_ms: float = 0.0
-    eog: bool = False
+    index: int  # in the step's request list
+    state: SeqState
+    end: int
+    wants_output: bool  # the decode reaches the end of the history: logits for the next position
 
 
 class CloudEngine:
     """Sessions over one shared KV pool of `n_ctx` cells (the KV memory budget).
 
     `max_sessions` sessions may be open; at most `kv_slots` of them hold KV
-    cells at once. When a session needs room, idle sessions are evicted least
-    recently used first: their state is saved to host memory (`evict_mode`
-    "save", bounded by `max_saved_bytes`) or dropped and rebuilt later by
-    re-prefilling the token history the server keeps ("recompute").
+    cells at once; the pool evicts idle ones when a session needs room.
     """
 
-    EVICT_MODES = ("recompute", "save")
+    EVICT_MODES = EVICT_MODES
     KV_LAYOUTS = ("unified", "split")
 
     def __init__(
@@ -141,28 +128,80 @@ class CloudEngine:
         kv_layout: str = "unified",
         n_gpu_layers: int = 0,
     ) -> None:
-        if evict_mode not in self.EVICT_MODES:
-            raise ValueError(f"evict_mode must be one of {self.EVICT_MODES}, got {evict_mode!r}")
+        if evict_mode not in EVICT_MODES:
+            raise ValueError(f"evict_mode must be one of {EVICT_MODES}, got {evict_mode!r}")
         if kv_layout not in self.KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {self.KV_LAYOUTS}, got {kv_layout!r}")
         kv_slots = min(kv_slots or max_sessions, max_sessions, 256)  # llama.cpp allows 256 sequences
         self.model = LlamaModel(info, n_gpu_layers=n_gpu_layers)
         self.ctx = LlamaContext(
-            self.model, n_ctx=n_ctx, n_seq=kv_slots, n_batch=n_batch, threads=threads, embeddings=False, kv_unified=kv_layout == "unified"
+            self.model,
+            n_ctx=n_ctx,
+            n_seq=kv_slots,
+            n_batch=n_batch,
+            threads=threads,
+            embeddings=False,
+            kv_unified=kv_layout == "unified",
         )
         self.kv_layout = kv_layout
         # cells one session may hold: the whole pool when unified, an equal share when split
-        self.seq_cells = self.ctx.n_ctx if kv_layout == "unified" else int(lc.llama_n_ctx_seq(self.ctx.ptr))
+        seq_cells = self.ctx.n_ctx if kv_layout == "unified" else int(lc.llama_n_ctx_seq(self.ctx.ptr))
+        self.pool = KVPool(self.ctx, kv_slots, seq_cells, evict_mode, max_saved_bytes)
         self.max_sessions = max_sessions
-        self.kv_slots = kv_slots
-        self.evict_mode = evict_mode
-        self.max_saved_bytes = max_saved_bytes
-        self.stats = EngineStats()
-        self.kv_bytes_per_cell = _kv_bytes_per_cell(self.model)
-        self._free = list(range(kv_slots - 1, -1, -1))
         self._seqs: dict[int, SeqState] = {}  # by handle
         self._next_handle = 0
-        self._cells_used = 0  # sum of n_decoded over resident sessions
+        self._caps = Capabilities(
+            "llama.cpp", self.model.n_vocab, guess=True, verify=True, max_verify_tokens=self.ctx.n_batch - 1
+        )
+
+    # ---------------------------------------------------------------- what it is
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens one decode may take (the scheduler caps its batches at this)."""
+        return self.ctx.n_batch
+
+    @property
+    def n_sessions(self) -> int:
+        return len(self._seqs)
+
+    # the pool's figures, for metrics and tests
+    @property
+    def stats(self) -> EngineStats:
+        return self.pool.stats
+
+    @property
+    def seq_cells(self) -> int:
+        return self.pool.seq_cells
+
+    @property
+    def kv_slots(self) -> int:
+        return self.pool.kv_slots
+
+    @property
+    def n_resident(self) -> int:
+        return self.pool.n_resident
+
+    @property
+    def cells_used(self) -> int:
+        return self.pool.cells_used
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.pool.kv_budget_bytes
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.pool.kv_bytes_used
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        return self.model.chat_tokens(messages)
+
+    def is_eog(self, token: int) -> bool:
+        return self.model.is_eog(token)
 
     # ---------------------------------------------------------------- sessions
 
@@ -172,186 +211,73 @@ class CloudEngine:
             raise EngineFull(f"all {self.max_sessions} sessions are in use")
         handle = self._next_handle
         self._next_handle += 1
-        self._seqs[handle] = SeqState(-1, list(prompt), Sampler(sampling), handle=handle, last_used=time.monotonic())
+        self._seqs[handle] = SeqState(self.pool.add(handle), list(prompt), Sampler(sampling))
         return handle
 
-    def close(self, seq: int) -> None:
-        s = self._seqs.pop(seq, None)
+    def close(self, handle: int) -> None:
+        s = self._seqs.pop(handle, None)
         if s is not None:
-            self._release(s)
-            self._drop_saved(s)
+            self.pool.remove(s.kv)
 
-    def history(self, seq: int) -> list[int]:
-        return self._seqs[seq].history
+    def history(self, handle: int) -> list[int]:
+        return self._seqs[handle].history
 
-    @property
-    def n_sessions(self) -> int:
-        return len(self._seqs)
+    def append(self, handle: int, tokens: list[int]) -> None:
+        self._seqs[handle].history.extend(tokens)  # kept logits no longer match: take_ready checks the length
 
-    @property
-    def n_resident(self) -> int:
-        return self.kv_slots - len(self._free)
-
-    @property
-    def cells_used(self) -> int:
-        return self._cells_used
-
-    @property
-    def kv_budget_bytes(self) -> int:
-        return self.ctx.n_ctx * self.kv_bytes_per_cell
-
-    @property
-    def kv_bytes_used(self) -> int:
-        return self._cells_used * self.kv_bytes_per_cell
-
-    # ---------------------------------------------------------------- residency (KV budget)
-
-    def _release(self, s: SeqState) -> None:
-        """Give back a session's sequence slot and cells (its history stays)."""
-        if s.seq >= 0:
-            self.ctx.clear(s.seq)
-            self._free.append(s.seq)
-            s.seq = -1
-            self._cells_used -= s.n_decoded
-            if s.saved is None:  # nothing kept: rebuilt from the history when it returns
-                s.n_decoded = 0
-
-    def _drop_saved(self, s: SeqState) -> None:
-        if s.saved is not None:
-            self.stats.saved_bytes -= len(s.saved)
-            s.saved = None
-            if s.seq < 0:
-                s.n_decoded = 0
-
-    def _evict(self, s: SeqState) -> None:
-        if self.evict_mode == "save" and s.n_decoded > 0:
-            state = self.ctx.save_seq(s.seq)
-            while self.stats.saved_bytes + len(state) > self.max_saved_bytes and self._drop_oldest_saved():
-                pass
-            if self.stats.saved_bytes + len(state) <= self.max_saved_bytes:
-                s.saved = state
-                self.stats.saved_bytes += len(state)
-        self._release(s)
-        s.evicted = True
-        self.stats.evictions += 1
-
-    def _drop_oldest_saved(self) -> bool:
-        saved = [x for x in self._seqs.values() if x.saved is not None and x.seq < 0]
-        if not saved:
-            return False
-        self._drop_saved(min(saved, key=lambda x: x.last_used))
-        return True
-
-    def _victims(self, protect: set[int], pending: set[int] = frozenset()) -> list[SeqState]:  # type: ignore[assignment]
-        """Resident sessions that may be evicted: idle ones first, then least recently used."""
-        cands = (x for x in self._seqs.values() if x.seq >= 0 and x.handle not in protect)
-        return sorted(cands, key=lambda x: (x.handle in pending, x.last_used))
-
-    def _make_room(self, s: SeqState, cells: int, protect: set[int], pending: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
-        """Ensure `s` holds a slot (restoring its state) and `cells` more cells are free; evict LRU idle sessions."""
-        need_slot = s.seq < 0
-        restore = s.n_decoded if need_slot and s.saved is not None else 0
-        victims = self._victims(protect | {s.handle}, pending)
-        while (need_slot and not self._free) or self.ctx.n_ctx - self._cells_used < cells + restore:
-            if not victims:
-                return False
-            self._evict(victims.pop(0))
-        if need_slot:
-            s.seq = self._free.pop()
-            self.ctx.clear(s.seq)
-            if s.saved is not None:
-                self.ctx.load_seq(s.seq, s.saved)
-                self._drop_saved_keep(s)
-                self._cells_used += s.n_decoded
-                self.stats.restores_loaded += 1
-            elif s.evicted:
-                self.stats.restores_recomputed += 1
-                self.stats.recomputed_tokens += len(s.history)
-            s.evicted = False
-        return True
-
-    def _drop_saved_keep(self, s: SeqState) -> None:
-        assert s.saved is not None
-        self.stats.saved_bytes -= len(s.saved)
-        s.saved = None
-
-    def resident(self, seq: int, cells: int = 0) -> SeqState:
-        """The session, holding a KV slot and `cells` free cells (for direct engine methods)."""
-        s = self._seqs[seq]
-        if not self._make_room(s, cells, set()):
-            raise EngineFull(f"no KV room for {cells} more cells; the budget is {self.ctx.n_ctx} cells")
-        return s
-
-    # ---------------------------------------------------------------- token ops
-
-    def append(self, seq: int, tokens: list[int]) -> None:
-        self._seqs[seq].history.extend(tokens)  # kept logits no longer match: take_ready checks the length
-
-    def rollback(self, seq: int, n: int) -> None:
-        s = self._seqs[seq]
-        if n > len(s.history):
+    def rollback(self, handle: int, n: int) -> None:
+        s = self._seqs[handle]
+        if not 0 <= n <= len(s.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(s.history)} tokens")
         del s.history[n:]
         s.drop_ready()  # the same length may come back with other tokens
-        if s.n_decoded > n:
-            if s.seq >= 0:
-                self.ctx.truncate(s.seq, n)
-                self._cells_used -= s.n_decoded - n
-            else:
-                self._drop_saved(s)  # a saved state past the cut is of no use: rebuild on return
-            s.n_decoded = min(s.n_decoded, n)
+        self.pool.truncate(s.kv, n)
 
-    def prefill(self, seq: int) -> float:
+    def close_all(self) -> None:
+        for handle in list(self._seqs):
+            self.close(handle)
+        self.ctx.close()
+        self.model.close()
+
+    # ---------------------------------------------------------------- one session at a time
+
+    def prefill(self, handle: int) -> float:
         """Decode the pending tokens and keep the next position's logits (background work after
         a sync; see the module docstring). Returns seconds spent."""
-        s = self._seqs[seq]
+        s = self._seqs[handle]
         end = len(s.history)
-        if end <= s.n_decoded or not s.history:
+        if end <= s.kv.n_decoded or not s.history:
             return 0.0
         t0 = time.perf_counter()
-        out = self._decode(s, end, want_logits=True)
-        s.keep_ready(self.ctx.logits(out))
+        s.keep_ready(self._decode_to(s, end))
         dt = time.perf_counter() - t0
         s.compute_s += dt
         return dt
 
-    def generate_one(self, seq: int) -> tuple[int, float, float]:
-        """Write the next token: (token, logprob, seconds of compute). The token joins the history.
-
-        The unbatched path; the server batches through `step` (cloud_server/scheduler.py).
-        """
-        s = self._seqs[seq]
+    def generate(self, handle: int, proposed: int = -1) -> GenerateResult:
+        """Write the next token (shared/decision.py's `cloud_choice` with the device's `proposed`
+        token, -1: none); it joins the history. The unbatched path: the server batches through `step`."""
+        s = self._seqs[handle]
         if not s.history:
-            raise ValueError("cannot generate from an empty history")
+            raise EmptyHistory("generate")
         t0 = time.perf_counter()
         ready = s.take_ready()
         if ready is not None:
-            token, logprob = self._write_ready(s, ready)
+            token, logprob = self._write_ready(s, ready, proposed)
         else:
-            self._stale_last(s)
-            out = self._decode(s, len(s.history), want_logits=True)
-            token, logprob = self._sample(s, out)
+            self._redo_last(s)
+            token, logprob = self._write(s, self._decode_to(s, len(s.history)), proposed)
         dt = time.perf_counter() - t0
         s.compute_s += dt
-        return token, logprob, dt
+        return GenerateResult(token, logprob, dt)
 
-    def _stale_last(self, s: SeqState) -> None:
-        """Logits of the last decoded token may be stale (others decoded since): redo that token."""
-        if s.n_decoded == len(s.history) and s.n_decoded > 0:
-            if s.seq >= 0:
-                self.ctx.truncate(s.seq, s.n_decoded - 1)
-                self._cells_used -= 1
-                s.n_decoded -= 1
-            else:
-                self._drop_saved(s)  # rebuilt by re-prefill
-
-    def peek_next(self, seq: int) -> Guess:
+    def guess(self, handle: int) -> Guess:
         """The token the session would write next, from the kept logits, without writing it,
         with the most likely tokens there; NO_GUESS when no kept logits describe the history.
         The choice is remembered, so a later generate at this position writes this very token
         (a `next` message promised it), even when sampling is random."""
-        s = self._seqs[seq]
-        if not s.has_ready:
+        s = self._seqs[handle]
+        if s.ready is None or not s.has_ready:
             return NO_GUESS
         if s.guess < 0:
             s.guess = s.sampler.sample(s.ready)
@@ -359,229 +285,261 @@ class CloudEngine:
         s.guess_logprob = g.logprob
         return g
 
-    def _write_ready(self, s: SeqState, logits: np.ndarray) -> tuple[int, float]:
-        """Write the next token from kept logits: the announced guess if there is one."""
-        if s.guess < 0:
-            return self._sample_from(s, logits)
-        token, logprob, s.guess = s.guess, s.guess_logprob, -1
-        s.history.append(token)
-        return token, logprob
+    def verify(
+        self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
+    ) -> VerifyResult:
+        """Judge drafted `tokens` (appended after the history) in one forward pass.
 
-    def _sample(self, s: SeqState, out: int) -> tuple[int, float]:
-        return self._sample_from(s, self.ctx.logits(out))
-
-    def _sample_from(self, s: SeqState, logits: np.ndarray) -> tuple[int, float]:
-        token = s.sampler.sample(logits)
-        logprob = log_softmax_at(logits, token)
-        s.history.append(token)
-        return token, logprob
-
-    def step(self, reqs: list, budget: int) -> tuple[list, int, int, float]:
-        """One batched decode serving `reqs` (scheduler Requests, oldest first) within `budget` tokens.
-
-        Returns (outcomes in request order, items decoded, tokens decoded, decode seconds).
-        A generate whose pending tokens exceed the remaining budget gets a chunk
-        of them decoded now and its token in a later batch.
+        Used by the `verify` message (the device's check, router-verify, speculative decoding).
+        Each draft at an offset in `check` (router-flagged) is judged exactly, and with
+        `tolerance` > 0 every other draft leniently (shared/decision.py's `judge_draft`); the
+        others stand unread. The history keeps the drafts up to the first rejected one, then the
+        cloud's token there; with `bonus` and no rejection the cloud's next token is appended.
         """
-        from cloud_server.scheduler import GENERATE, StepOutcome
-
-        outcomes = [StepOutcome() for _ in reqs]
-        pending = {r.handle for r in reqs}
-        protect: set[int] = set()  # sessions already in this batch
-        plan: list[tuple[int, SeqState, int, bool]] = []  # (request index, state, end, wants output)
-        left = budget
-        for i, r in enumerate(reqs):
-            s = self._seqs.get(r.handle)
-            if s is None:
-                outcomes[i].error = KeyError(f"session {r.handle} is closed")
-                continue
-            gen = r.kind == GENERATE
-            if gen and not s.history:
-                outcomes[i].error = ValueError("cannot generate from an empty history")
-                continue
-            if gen and (ready := s.take_ready()) is not None:  # kept by a prefill: no decode
-                outcomes[i].done, outcomes[i].result = True, (*self._write_ready(s, ready), r.compute_s)
-                s.last_used = time.monotonic()
-                continue
-            if left <= 0:
-                continue
-            if gen:
-                self._stale_last(s)
-            target = len(s.history)
-            base = s.n_decoded if (s.seq >= 0 or s.saved is not None) else 0
-            if target <= base:
-                outcomes[i].done, outcomes[i].result = True, 0.0
-                continue
-            take = min(target - base, left)
-            if target > self.seq_cells:
-                outcomes[i].error = EngineFull(f"session needs {target} KV cells; a session may hold {self.seq_cells}")
-                continue
-            if not self._make_room(s, take, protect, pending):
-                if not plan:  # every other session could have been evicted: it can never fit
-                    outcomes[i].error = EngineFull(f"the KV budget ({self.ctx.n_ctx} cells) cannot hold this session")
-                continue  # older requests hold the room: next batch
-            protect.add(s.handle)
-            plan.append((i, s, s.n_decoded + take, s.n_decoded + take == len(s.history)))
-            left -= take
-        if not plan:
-            return outcomes, 0, 0, 0.0
-        items = [DecodeItem(s.seq, s.n_decoded, s.history[s.n_decoded : end]) for _, s, end, _ in plan]
-        n_tokens = sum(len(it.tokens) for it in items)
-        t0 = time.perf_counter()
-        try:
-            outs = self.ctx.decode(items)
-        except DecodeError as exc:
-            for i, s, _, _ in plan:
-                self.ctx.truncate(s.seq, s.n_decoded)  # drop any partially written cells
-                outcomes[i].error = EngineFull(str(exc))
-            return outcomes, 0, 0, time.perf_counter() - t0
-        now = time.monotonic()
-        for (i, s, end, want), out in zip(plan, outs):
-            self._cells_used += end - s.n_decoded
-            s.n_decoded = end
-            s.last_used = now
-            outcomes[i].progressed = True
-            if want and reqs[i].kind == GENERATE:
-                token, logprob = self._sample(s, out)
-                outcomes[i].done, outcomes[i].result = True, (token, logprob)
-            elif want:  # a prefill that reached the end: keep the next position's logits
-                s.keep_ready(self.ctx.logits(out))
-                outcomes[i].done, outcomes[i].result = True, 0.0
-        dt = time.perf_counter() - t0
-        for (i, s, _, _) in plan:
-            s.compute_s += dt
-            reqs[i].compute_s += dt
-            if outcomes[i].done and reqs[i].kind == GENERATE:
-                token, logprob = outcomes[i].result
-                outcomes[i].result = (token, logprob, reqs[i].compute_s)
-            elif outcomes[i].done:
-                outcomes[i].result = reqs[i].compute_s
-        return outcomes, len(items), n_tokens, dt
-
-    def verify(self, seq: int, tokens: list[int], offsets: list[int], bonus: bool = False, tolerance: float = 0.0) -> VerifyResult:
-        """Check drafted `tokens` (appended after the history) in one forward pass.
-
-        Used by the `verify` message (router-verify, speculative decoding). At
-        each offset in `offsets` the cloud's own choice (its sampler; argmax when
-        greedy) is compared with the draft. With `tolerance` > 0 every other
-        offset is checked too, leniently: a draft more than `tolerance` nats
-        below the cloud's most likely token is rejected, and the cloud's own
-        choice written there. The history keeps the drafts up to the first
-        rejected offset, then the cloud's token there; with `bonus` and no
-        rejection the cloud's next token is appended as well.
-        """
-        s = self._seqs[seq]
+        s = self._seqs[handle]
         if not s.history:
-            raise ValueError("cannot verify from an empty history")
-        if len(tokens) + 1 > self.ctx.n_batch:
-            raise ValueError(f"at most {self.ctx.n_batch - 1} drafted tokens per verify")
+            raise EmptyHistory("verify")
+        if len(tokens) > self._caps.max_verify_tokens:
+            raise NotSupported(f"at most {self._caps.max_verify_tokens} drafted tokens per verify")
         base = len(s.history)
-        if base + len(tokens) > self.seq_cells:
-            raise EngineFull(f"session needs {base + len(tokens)} KV cells; a session may hold {self.seq_cells}")
+        self.pool.check_fits(base + len(tokens))
         t0 = time.perf_counter()
-        self._stale_last(s)
-        if s.n_decoded < base - 1:
-            self._decode(s, base - 1, want_logits=False)  # pending history, no outputs
-        s = self.resident(seq, len(tokens) + 1)
+        s.drop_ready()
+        self._redo_last(s)
+        if s.kv.n_decoded < base - 1:
+            self._decode_to(s, base - 1, want_logits=False)  # pending history, no outputs
+        self.pool.ensure(s.kv, len(tokens) + 1, n_history=base)
         rows = [s.history[-1], *tokens]  # row r predicts the token at offset r
-        exact = set(offsets)
-        wanted = (list(range(len(tokens))) if tolerance > 0 else list(offsets)) + ([len(tokens)] if bonus else [])
+        exact = set(check)
+        wanted = (list(range(len(tokens))) if tolerance > 0 else list(check)) + ([len(tokens)] if bonus else [])
         try:
-            outs = self.ctx.decode_outputs(DecodeItem(s.seq, base - 1, rows), wanted)
-        except DecodeError as exc:
-            self.ctx.truncate(s.seq, s.n_decoded)
-            raise EngineFull(str(exc)) from exc
-        self._cells_used += base + len(tokens) - s.n_decoded
-        s.n_decoded = base + len(tokens)
-        result = VerifyResult(accepted=len(tokens))
-        for offset, out in zip(wanted, outs):
-            logits = self.ctx.logits(out)
-            if offset < len(tokens) and offset not in exact and regret(logits, tokens[offset]) <= tolerance:
-                continue  # leniently checked and within the tolerance: the draft stands (no draw from the sampler)
-            token = s.sampler.sample(logits)
-            if offset == len(tokens) or token != tokens[offset]:
-                result.accepted, result.token, result.logprob = offset, token, log_softmax_at(logits, token)
-                break
-        keep = base + result.accepted  # drafted tokens the history keeps
-        if keep < s.n_decoded:
-            self.ctx.truncate(s.seq, keep)
-            self._cells_used -= s.n_decoded - keep
-            s.n_decoded = keep
+            outs = self._decode_outputs(DecodeItem(s.kv.seq, base - 1, rows), wanted)
+            result = self._judge(s, tokens, exact, tolerance, wanted, outs)
+        except Exception as exc:
+            self.pool.discard_partial(s.kv)  # the history is unchanged: so are its cells
+            _raise_named(exc)
+        self.pool.decoded(s.kv, base + len(tokens))
+        self.pool.truncate(s.kv, base + result.accepted)  # drafted tokens the history keeps
         s.history.extend(tokens[: result.accepted])
         if result.token >= 0:
             s.history.append(result.token)
             result.eog = self.model.is_eog(result.token)
-        s.last_used = time.monotonic()
         dt = time.perf_counter() - t0
         s.compute_s += dt
         result.compute_ms = dt * 1000.0
         return result
 
-    def is_eog(self, token: int) -> bool:
-        return self.model.is_eog(token)
+    def _judge(
+        self, s: SeqState, tokens: list[int], exact: set[int], tolerance: float, wanted: list[int], outs: list[int]
+    ) -> VerifyResult:
+        result = VerifyResult(accepted=len(tokens))
+        for offset, out in zip(wanted, outs):
+            logits = self._finite_logits(out)
+            if offset < len(tokens):
+                token = judge_draft(logits, tokens[offset], offset in exact, tolerance, s.sampler)
+                if token < 0:
+                    continue  # the draft stands
+            else:
+                token = cloud_choice(logits, s.sampler)  # the bonus: the cloud's own next token
+            result.accepted, result.token, result.logprob = offset, token, log_softmax_at(logits, token)
+            break
+        return result
 
-    def _decode(self, s: SeqState, end: int, want_logits: bool) -> int:
-        if end > self.seq_cells:
-            raise EngineFull(f"session needs {end} KV cells; a session may hold {self.seq_cells}")
-        self.resident(s.handle, end - (s.n_decoded if s.seq >= 0 or s.saved is not None else 0))
-        tokens = s.history[s.n_decoded : end]
+    # ---------------------------------------------------------------- many sessions in one decode
+
+    def step(self, reqs: list[Request], budget: int) -> StepReport:
+        """One batched decode serving `reqs` (scheduler Requests, oldest first) within `budget` tokens.
+
+        A generate whose pending tokens exceed the remaining budget gets a chunk of them decoded
+        now and its token in a later batch. A failure is confined to the request that causes it
+        (see the module docstring); the report sums every decode this took.
+        """
+        outcomes = [StepOutcome() for _ in reqs]
+        plan = self._plan(reqs, budget, outcomes)
+        n_items = n_tokens = 0
+        decode_s = 0.0
+        groups = [plan] if plan else []
+        while groups:  # a stack: a failed group is retried as two halves, the first half first
+            group = groups.pop()
+            items = [
+                DecodeItem(p.state.kv.seq, p.state.kv.n_decoded, p.state.history[p.state.kv.n_decoded : p.end])
+                for p in group
+            ]
+            t0 = time.perf_counter()
+            try:
+                outs = self._decode_items(items)
+                error: Exception | None = None
+            except Exception as exc:  # noqa: BLE001 - confined below to the request that causes it
+                error = exc
+            dt = time.perf_counter() - t0
+            decode_s += dt
+            for p in group:
+                reqs[p.index].compute_s += dt
+                p.state.compute_s += dt
+            if error is not None:
+                for p in group:
+                    self.pool.discard_partial(p.state.kv)
+                if len(group) == 1:
+                    if not isinstance(error, DecodeError):
+                        log.warning("decode failed for session %d", group[0].state.kv.handle, exc_info=error)
+                    outcomes[group[0].index].error = _named(error)
+                else:
+                    mid = len(group) // 2
+                    groups += [group[mid:], group[:mid]]
+                continue
+            n_items += len(items)
+            n_tokens += sum(len(it.tokens) for it in items)
+            for p, out in zip(group, outs):
+                self._finish(p, reqs[p.index], outcomes[p.index], out)
+        for r, o in zip(reqs, outcomes):
+            if o.done and r.kind == GENERATE:
+                o.result = GenerateResult(o.result[0], o.result[1], r.compute_s)
+            elif o.done:
+                o.result = r.compute_s
+        return StepReport(outcomes, n_items, n_tokens, decode_s)
+
+    def _plan(self, reqs: list[Request], budget: int, outcomes: list[StepOutcome]) -> list[_Planned]:
+        """Which requests this decode serves and how far; answers those that need no decode."""
+        pending = {r.handle for r in reqs}
+        protect: set[int] = set()  # sessions already in this batch
+        plan: list[_Planned] = []
+        left = budget
+        for i, r in enumerate(reqs):
+            s = self._seqs.get(r.handle)
+            if s is None:
+                outcomes[i].error = EngineFailed(f"session {r.handle} is closed")
+                continue
+            gen = r.kind == GENERATE
+            if gen and not s.history:
+                outcomes[i].error = EmptyHistory("generate")
+                continue
+            if gen and (ready := s.take_ready()) is not None:  # kept by a prefill: no decode
+                try:
+                    outcomes[i].result = self._write_ready(s, ready, r.proposed)
+                    outcomes[i].done = True
+                except SamplingError as exc:
+                    outcomes[i].error = exc
+                s.kv.last_used = time.monotonic()
+                continue
+            if left <= 0:
+                continue
+            if gen:
+                self._redo_last(s)
+            target = len(s.history)
+            base = s.kv.n_decoded
+            if target <= base:
+                outcomes[i].done = True
+                continue
+            if target > self.pool.seq_cells:
+                outcomes[i].error = EngineFull(
+                    f"session needs {target} KV cells; a session may hold {self.pool.seq_cells}"
+                )
+                continue
+            take = min(target - base, left)
+            if not self.pool.make_room(s.kv, take, protect, pending, n_history=target):
+                if not plan:  # every other session could have been evicted: it can never fit
+                    outcomes[i].error = EngineFull(f"the KV budget ({self.pool.n_ctx} cells) cannot hold this session")
+                continue  # older requests hold the room: next batch
+            protect.add(r.handle)
+            plan.append(_Planned(i, s, base + take, base + take == target))
+            left -= take
+        return plan
+
+    def _finish(self, p: _Planned, r: Request, outcome: StepOutcome, out: int) -> None:
+        """After a decode that included `p`: commit its cells, then write its token or keep its logits."""
+        s = p.state
+        logits = None
+        if p.wants_output:
+            try:
+                logits = self._finite_logits(out)
+            except SamplingError as exc:
+                self.pool.discard_partial(s.kv)  # not committed: this session alone fails, its cells as before
+                outcome.error = exc
+                return
+        self.pool.decoded(s.kv, p.end)
+        outcome.progressed = True
+        if logits is None:
+            return
+        if r.kind == GENERATE:
+            try:
+                outcome.result = self._write(s, logits, r.proposed)
+                outcome.done = True
+            except SamplingError as exc:
+                outcome.error = exc
+        else:  # a prefill that reached the end: keep the next position's logits
+            s.keep_ready(logits)
+            outcome.done = True
+
+    # ---------------------------------------------------------------- writing tokens
+
+    def _write(self, s: SeqState, logits: np.ndarray, proposed: int) -> tuple[int, float]:
+        """Append the cloud's choice where the device proposed `proposed` (the tie rule)."""
+        if not 0 <= proposed < logits.shape[0]:
+            proposed = -1
+        token = cloud_choice(logits, s.sampler, proposed)
+        logprob = log_softmax_at(logits, token)
+        s.history.append(token)
+        return token, logprob
+
+    def _write_ready(self, s: SeqState, logits: np.ndarray, proposed: int) -> tuple[int, float]:
+        """Write the next token from kept logits: the announced guess if there is one (it was promised)."""
+        if s.guess < 0:
+            return self._write(s, logits, proposed)
+        token, logprob, s.guess = s.guess, s.guess_logprob, -1
+        s.history.append(token)
+        return token, logprob
+
+    # ---------------------------------------------------------------- decoding
+
+    def _redo_last(self, s: SeqState) -> None:
+        """Logits of the last decoded token may be stale (others decoded since): decode that token again."""
+        if s.kv.n_decoded == len(s.history):
+            self.pool.forget_last(s.kv)
+
+    def _decode_to(self, s: SeqState, end: int, want_logits: bool = True) -> np.ndarray:
+        """Decode the session's history up to `end` alone; the logits of position `end` (checked finite)."""
+        self.pool.check_fits(end)
+        self.pool.ensure(s.kv, end - s.kv.n_decoded, n_history=len(s.history))
+        item = DecodeItem(s.kv.seq, s.kv.n_decoded, s.history[s.kv.n_decoded : end])
         try:
-            out = self.ctx.decode([DecodeItem(s.seq, s.n_decoded, tokens)])[0]
-        except DecodeError as exc:
-            self.ctx.truncate(s.seq, s.n_decoded)  # drop any partially written cells
-            raise EngineFull(str(exc)) from exc
-        self._cells_used += end - s.n_decoded
-        s.n_decoded = end
-        s.last_used = time.monotonic()
-        return out if want_logits else -1
+            out = self._decode_items([item])[0]
+            logits = self._finite_logits(out) if want_logits else np.empty(0, dtype=np.float32)
+        except Exception as exc:
+            self.pool.discard_partial(s.kv)  # drop any partially written cells
+            _raise_named(exc)
+        self.pool.decoded(s.kv, end)
+        return logits
 
-    def close_all(self) -> None:
-        for seq in list(self._seqs):
-            self.close(seq)
-        self.ctx.close()
-        self.model.close()
+    def _finite_logits(self, out: int) -> np.ndarray:
+        """Output `out`'s logits; SamplingError if any is NaN or +inf (a broken decode)."""
+        logits = self._output_logits(out)
+        if not np.isfinite(np.max(logits)):  # NaN propagates through max, +inf is the max
+            raise SamplingError("the model's logits are not finite at this position; the decode was dropped")
+        return logits
 
+    # the three calls into llama.cpp (a test subclass overrides them to inject failures)
+    def _decode_items(self, items: list[DecodeItem]) -> list[int]:
+        return self.ctx.decode(items)
 
-class EngineWorker:
-    """Runs engine work on one dedicated thread, awaitable from asyncio.
+    def _decode_outputs(self, item: DecodeItem, wanted: list[int]) -> list[int]:
+        return self.ctx.decode_outputs(item, wanted)
 
-    `call(fn, *args)` runs any engine method there; `generate`/`prefill` go
-    through the batch scheduler, which serves many sessions in one decode.
-    """
-
-    def __init__(self, engine: CloudEngine, max_batch_tokens: int = 512, observer: "BatchObserver | None" = None) -> None:
-        from cloud_server.scheduler import BatchScheduler
-
-        self.engine = engine
-        self.scheduler = BatchScheduler(engine, max_batch_tokens, observer)
-
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        return await self.scheduler.call(fn, *args)
-
-    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
-        return self.scheduler.submit(fn, *args)
-
-    async def generate(self, seq: int) -> tuple[int, float, float]:
-        """The session's next token, batched with other sessions': (token, logprob, compute seconds)."""
-        from cloud_server.scheduler import GENERATE
-
-        return await self.scheduler.request(seq, GENERATE)
-
-    async def prefill(self, seq: int) -> float:
-        """Decode the session's pending tokens (all but the last), batched. Returns compute seconds."""
-        from cloud_server.scheduler import PREFILL
-
-        return await self.scheduler.request(seq, PREFILL)
-
-    def shutdown(self) -> None:
-        self.scheduler.shutdown()
-        self.engine.close_all()
+    def _output_logits(self, out: int) -> np.ndarray:
+        return self.ctx.logits(out)
 
 
-def _kv_bytes_per_cell(model: LlamaModel) -> int:
-    """Bytes one token takes in the KV cache (f16 keys and values, every layer)."""
-    n_layer = int(lc.llama_model_n_layer(model.ptr))
-    n_head = max(1, int(lc.llama_model_n_head(model.ptr)))
-    n_head_kv = int(lc.llama_model_n_head_kv(model.ptr))
-    head_dim = model.n_embd // n_head
-    return 2 * n_layer * n_head_kv * head_dim * 2
+def _named(exc: BaseException) -> Exception:
+    """A failure of one session's decode as an error the session can answer (EngineError or SamplingError)."""
+    if isinstance(exc, (EngineError, SamplingError)):
+        return exc
+    if isinstance(exc, DecodeError):
+        return EngineFull(str(exc))
+    return EngineFailed(f"the engine failed on this request ({type(exc).__name__}: {exc})")
+
+
+def _raise_named(exc: Exception) -> NoReturn:
+    """Re-raise `exc` as its named error (itself if it already is one)."""
+    named = _named(exc)
+    if named is exc:
+        raise exc
+    raise named from exc

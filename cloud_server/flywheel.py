@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from models.train.shards import make_records, write_shard
 from shared.learned_router import N_LOGIT_FEATURES
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ class FlywheelRecorder:
 
     def flush(self, edge_fingerprint: str | None = None) -> list[Path]:
         """Write buffered rows (of one edge model, or all) as shards."""
-        from models.train.shards import make_records, write_shard
-
         written: list[Path] = []
         with self._lock:
             keys = [edge_fingerprint] if edge_fingerprint is not None else list(self._rows)

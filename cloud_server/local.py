@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from cloud_server.cli import READY_LINE
+from cloud_server.config import READY_LINE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class LocalCloudServer:
     """`with LocalCloudServer(model) as srv: srv.url, srv.api_key`."""
 
-    def __init__(self, model: str | None = None, api_key: str | None = None, extra_args: list[str] | None = None, startup_timeout_s: float = 120.0, port: int = 0) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        api_key: str | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout_s: float = 120.0,
+        port: int = 0,
+    ) -> None:
         self.model = model
         self.port = port
         self.api_key = api_key or secrets.token_urlsafe(16)
@@ -33,7 +40,17 @@ class LocalCloudServer:
         self._log: list[str] = []
 
     def start(self) -> "LocalCloudServer":
-        cmd = [sys.executable, "-m", "cloud_server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cloud_server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
         if self.model:
             cmd += ["--model", str(self.model)]
         if "--threads" not in self.extra_args:

@@ -34,14 +34,22 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.connections = Counter(P + "connections", "WebSocket connections accepted", registry=r)
         self.hard_tokens = Counter(P + "hard_tokens", "Tokens written by the cloud model", registry=r)
-        self.device_tokens = Counter(P + "device_tokens", "Device-written tokens received (sync and generate)", registry=r)
+        self.device_tokens = Counter(
+            P + "device_tokens", "Device-written tokens received (sync and generate)", registry=r
+        )
         self.batch_items = Histogram(P + "batch_items", "Sessions served per decode", buckets=_COUNTS, registry=r)
         self.batch_tokens = Histogram(P + "batch_tokens", "Tokens decoded per decode", buckets=_COUNTS, registry=r)
-        self.queue_wait = Histogram(P + "queue_wait_seconds", "Wait from request to its first batch", buckets=_LATENCY, registry=r)
+        self.queue_wait = Histogram(
+            P + "queue_wait_seconds", "Wait from request to its first batch", buckets=_LATENCY, registry=r
+        )
         self.decode_time = Histogram(P + "decode_seconds", "Time of one batched decode", buckets=_LATENCY, registry=r)
-        self.hard_token_time = Histogram(P + "hard_token_seconds", "Generate received to token sent", buckets=_LATENCY, registry=r)
+        self.hard_token_time = Histogram(
+            P + "hard_token_seconds", "Generate received to token sent", buckets=_LATENCY, registry=r
+        )
         self.rejections = Counter(P + "rejections", "Refused sessions or requests, by reason", ["reason"], registry=r)
-        self.protocol_errors = Counter(P + "protocol_errors", "Frames answered with an error, by code", ["code"], registry=r)
+        self.protocol_errors = Counter(
+            P + "protocol_errors", "Frames answered with an error, by code", ["code"], registry=r
+        )
         self.abuse_flags = Counter(P + "abuse_flags", "Sessions flagged by the abuse check", registry=r)
 
     def bind(self, n_sessions: Callable[[], int], engine: Any = None) -> None:
@@ -76,7 +84,9 @@ class _EngineCollector:
         yield GaugeMetricFamily(P + "kv_cells_used", "KV cells in use", value=e.cells_used)
         yield GaugeMetricFamily(P + "kv_bytes_used", "KV cache bytes in use", value=e.kv_bytes_used)
         yield GaugeMetricFamily(P + "kv_budget_bytes", "KV cache budget in bytes", value=e.kv_budget_bytes)
-        yield GaugeMetricFamily(P + "kv_saved_bytes", "Host memory held by evicted sessions' saved KV", value=st.saved_bytes)
+        yield GaugeMetricFamily(
+            P + "kv_saved_bytes", "Host memory held by evicted sessions' saved KV", value=st.saved_bytes
+        )
         yield CounterMetricFamily(P + "evictions", "Sessions evicted from the KV cache", value=st.evictions)
         restores = CounterMetricFamily(P + "restores", "Evicted sessions brought back", labels=["how"])
         restores.add_metric(["loaded"], st.restores_loaded)

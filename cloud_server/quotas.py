@@ -70,7 +70,8 @@ class Quotas:
             n = self._sessions.get(key.name, 0)
             if key.max_sessions is not None and n >= key.max_sessions:
                 raise QuotaExceeded(
-                    f"key {key.name!r} already has {n} open sessions, its limit; close one or ask for a higher quota", "key_sessions"
+                    f"key {key.name!r} already has {n} open sessions, its limit; close one or ask for a higher quota",
+                    "key_sessions",
                 )
             self._sessions[key.name] = n + 1
 
@@ -96,7 +97,8 @@ class Quotas:
             wait = b.take(n)
         if wait:
             raise QuotaExceeded(
-                f"key {key.name!r} used its {key.tokens_per_minute} cloud tokens per minute; retry in {wait:.1f} s", "key_tokens_per_minute"
+                f"key {key.name!r} used its {key.tokens_per_minute} cloud tokens per minute; retry in {wait:.1f} s",
+                "key_tokens_per_minute",
             )
 
 

@@ -38,16 +38,25 @@ from urllib.parse import urlsplit
 
 import llama_cpp as lc
 
-from cloud_server.engine import EngineFull
-from models.registry import ModelInfo
+from cloud_server.engine_api import (
+    Capabilities,
+    EmptyHistory,
+    EngineFailed,
+    EngineFull,
+    GenerateResult,
+    NotSupported,
+    VerifyResult,
+)
 from shared.llama_backend import LlamaModel
-from shared.protocol import ErrorCode, ProtocolError, SamplingParams
+from shared.model_info import ModelInfo
+from shared.protocol import SamplingParams
+from shared.sampling import NO_GUESS, Guess
 
 T = TypeVar("T")
 
 
-class RemoteEngineError(RuntimeError):
-    """The remote completions server failed or answered something unusable."""
+class RemoteEngineError(EngineFailed):
+    """The remote completions server failed or answered something unusable (the device gets `busy`)."""
 
 
 class VocabModel(LlamaModel):
@@ -94,16 +103,14 @@ class RemoteSession:
     compute_s: float = 0.0
 
 
-class _Ctx:
-    """What callers read from an engine's context: sizes only."""
-
-    def __init__(self, n_ctx: int, n_batch: int) -> None:
-        self.n_ctx = n_ctx
-        self.n_batch = n_batch
-
-
 class RemoteEngine:
-    """Same session interface as CloudEngine; each `generate_one` is one completions request."""
+    """The `Engine` contract over a remote completions server; each `generate` is one request.
+
+    What it cannot do, its capabilities say: it sees one sampled token and its logprob, no
+    logits, so it can neither announce a guess (lookahead) nor verify drafts, and the tie rule
+    (shared/decision.py) is not applied: the remote engine's own choice is written.
+    Thread-safe: RemoteWorker runs requests of many sessions concurrently.
+    """
 
     def __init__(
         self,
@@ -127,14 +134,21 @@ class RemoteEngine:
         self.api_key = api_key
         self.prompt_format = prompt_format
         self.max_sessions = max_sessions
+        self.n_ctx = n_ctx  # tokens of context a session may use (the remote server's limit)
         self.timeout_s = timeout_s
-        self.ctx = _Ctx(n_ctx, 512)
+        self._caps = Capabilities("remote", self.model.n_vocab, guess=False, verify=False, max_verify_tokens=0)
         self._url = url
         self._path = url.path.rstrip("/") + "/completions"
         self._sessions: dict[int, RemoteSession] = {}
         self._next = 0
         self._lock = threading.Lock()
         self._local = threading.local()
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        return self.model.chat_tokens(messages)
 
     # ---------------------------------------------------------------- sessions
 
@@ -147,44 +161,51 @@ class RemoteEngine:
             self._sessions[handle] = RemoteSession(list(prompt), sampling)
             return handle
 
-    def close(self, seq: int) -> None:
+    def close(self, handle: int) -> None:
         with self._lock:
-            self._sessions.pop(seq, None)
+            self._sessions.pop(handle, None)
 
-    def history(self, seq: int) -> list[int]:
-        return self._sessions[seq].history
+    def history(self, handle: int) -> list[int]:
+        return self._sessions[handle].history
 
     @property
     def n_sessions(self) -> int:
         return len(self._sessions)
 
-    def append(self, seq: int, tokens: list[int]) -> None:
-        self._sessions[seq].history.extend(tokens)
+    def append(self, handle: int, tokens: list[int]) -> None:
+        self._sessions[handle].history.extend(tokens)
 
-    def rollback(self, seq: int, n: int) -> None:
-        s = self._sessions[seq]
-        if n > len(s.history):
+    def rollback(self, handle: int, n: int) -> None:
+        s = self._sessions[handle]
+        if not 0 <= n <= len(s.history):
             raise ValueError(f"cannot roll back to {n}: the history holds {len(s.history)} tokens")
         del s.history[n:]
 
-    def prefill(self, seq: int) -> float:
+    def prefill(self, handle: int) -> float:
         """Nothing to do: the remote engine's prefix cache fills on the next request."""
         return 0.0
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 
-    def verify(self, *args: object) -> Any:
-        raise ProtocolError(ErrorCode.BAD_FIELD, "verify is not supported with a remote engine; use generate")
+    def guess(self, handle: int) -> Guess:
+        """No guess: the remote engine's logits are not seen here (capabilities().guess is False)."""
+        return NO_GUESS
+
+    def verify(
+        self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
+    ) -> VerifyResult:
+        raise NotSupported("verify is not supported by this server's engine (remote); use generate")
 
     # ---------------------------------------------------------------- the request
 
-    def generate_one(self, seq: int) -> tuple[int, float, float]:
-        s = self._sessions[seq]
+    def generate(self, handle: int, proposed: int = -1) -> GenerateResult:
+        """The remote engine's next token (`proposed` is not used: see the class docstring); it joins the history."""
+        s = self._sessions[handle]
         if not s.history:
-            raise ValueError("cannot generate from an empty history")
-        if len(s.history) >= self.ctx.n_ctx:
-            raise EngineFull(f"session needs {len(s.history) + 1} tokens of context; the server allows {self.ctx.n_ctx}")
+            raise EmptyHistory("generate")
+        if len(s.history) >= self.n_ctx:
+            raise EngineFull(f"session needs {len(s.history) + 1} tokens of context; the server allows {self.n_ctx}")
         t0 = time.perf_counter()
         body = self._body(s)
         reply = self._post(body)
@@ -192,7 +213,7 @@ class RemoteEngine:
         s.history.append(token)
         dt = time.perf_counter() - t0
         s.compute_s += dt
-        return token, logprob, dt
+        return GenerateResult(token, logprob, dt)
 
     def _body(self, s: RemoteSession) -> dict[str, Any]:
         p = s.sampling
@@ -222,6 +243,8 @@ class RemoteEngine:
             choice = reply["choices"][0]
         except (KeyError, IndexError, TypeError):
             raise RemoteEngineError(f"completions reply has no choices: {str(reply)[:200]}") from None
+        if not isinstance(choice, dict):
+            raise RemoteEngineError(f"completions reply has no choice object: {str(reply)[:200]}")
         text = choice.get("text") or ""
         lp = choice.get("logprobs") or {}
         logprob = 0.0
@@ -232,7 +255,8 @@ class RemoteEngine:
                 logprob = float(values[0])
             names = lp.get("tokens") or []
             if names and isinstance(names[0], str) and names[0].startswith("token_id:"):
-                token = int(names[0].split(":", 1)[1])
+                token_id = names[0].split(":", 1)[1]
+                token = int(token_id) if token_id.isdigit() else None
         ids = choice.get("tokens") or reply.get("tokens")
         if token is None and isinstance(ids, list) and ids and isinstance(ids[0], int):
             token = ids[0]
@@ -265,7 +289,9 @@ class RemoteEngine:
                     raise RemoteEngineError(f"remote engine at {self.base_url} unreachable: {exc}") from exc
                 continue
             if resp.status != 200:
-                raise RemoteEngineError(f"remote engine answered HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
+                raise RemoteEngineError(
+                    f"remote engine answered HTTP {resp.status}: {raw[:300].decode(errors='replace')}"
+                )
             try:
                 return json.loads(raw)
             except json.JSONDecodeError:
@@ -287,25 +313,22 @@ class RemoteEngine:
 
 
 class RemoteWorker:
-    """EngineWorker's interface over a RemoteEngine: requests run concurrently (the remote engine batches)."""
+    """The `Worker` over a RemoteEngine: requests run concurrently in threads (the remote engine batches)."""
 
     def __init__(self, engine: RemoteEngine, concurrency: int = 64) -> None:
         self.engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="remote")
 
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         return self._pool.submit(fn, *args)
 
-    async def generate(self, seq: int) -> tuple[int, float, float]:
-        try:
-            return await self.call(self.engine.generate_one, seq)
-        except RemoteEngineError as exc:
-            raise ProtocolError(ErrorCode.BUSY, f"remote engine: {exc}") from exc
+    async def generate(self, handle: int, proposed: int = -1) -> GenerateResult:
+        return await self.call(self.engine.generate, handle, proposed)
 
-    async def prefill(self, seq: int) -> float:
+    async def prefill(self, handle: int) -> float:
         return 0.0
 
     def shutdown(self) -> None:

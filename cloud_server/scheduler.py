@@ -13,6 +13,10 @@ holds back another session's hard token by more than one chunk.
 Plain calls (`call(fn, *args)`, any engine method) run on the same thread,
 between batches and in arrival order, so code written against
 `await worker.call(engine.method, ...)` keeps working unchanged.
+
+`EngineWorker` (the `Worker` of cloud_server/engine_api.py) puts a batching
+engine behind this thread; the engine itself knows nothing of the scheduler
+(both use the request types of cloud_server/batch.py).
 """
 
 from __future__ import annotations
@@ -23,53 +27,21 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, TypeVar
 
-if TYPE_CHECKING:
-    from cloud_server.engine import CloudEngine
+from cloud_server.batch import GENERATE, PREFILL, BatchEngine, BatchObserver, Request
+from cloud_server.engine_api import GenerateResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PREFILL, GENERATE = "prefill", "generate"
-
-
-class BatchObserver(Protocol):
-    """What the scheduler reports (metrics.py implements it)."""
-
-    def on_batch(self, n_items: int, n_tokens: int, decode_s: float) -> None: ...
-
-    def on_queue_wait(self, seconds: float) -> None: ...
-
-
-@dataclass(slots=True)
-class Request:
-    """One session's prefill or generate, waiting for (or partway through) the engine."""
-
-    handle: int
-    kind: str
-    future: "asyncio.Future[Any] | concurrent.futures.Future[Any]"
-    loop: asyncio.AbstractEventLoop | None
-    t_enqueued: float = field(default_factory=time.perf_counter)
-    started: bool = False
-    compute_s: float = 0.0  # decode time of every batch this request took part in
-
-
-@dataclass(slots=True)
-class StepOutcome:
-    """What `CloudEngine.step` did with one request: done with a result, failed, or still pending."""
-
-    done: bool = False
-    result: Any = None
-    error: BaseException | None = None
-    progressed: bool = False
-
 
 class BatchScheduler:
-    def __init__(self, engine: "CloudEngine", max_batch_tokens: int = 512, observer: BatchObserver | None = None) -> None:
+    """The engine thread and its queues (see the module docstring)."""
+
+    def __init__(self, engine: BatchEngine, max_batch_tokens: int = 512, observer: BatchObserver | None = None) -> None:
         self.engine = engine
-        self.max_batch_tokens = max(1, min(max_batch_tokens, engine.ctx.n_batch))
+        self.max_batch_tokens = max(1, min(max_batch_tokens, engine.n_batch))
         self.observer = observer
         self._cv = threading.Condition()
         self._calls: deque[tuple[Callable[..., Any], tuple, Any, asyncio.AbstractEventLoop | None]] = deque()
@@ -92,14 +64,14 @@ class BatchScheduler:
         self._push_call(fn, args, fut, None)
         return fut
 
-    async def request(self, handle: int, kind: str) -> Any:
+    async def request(self, handle: int, kind: str, proposed: int = -1) -> Any:
         """Queue a prefill or generate for a session and wait for its batch."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shutting down")
-            self._new.append(Request(handle, kind, fut, loop))
+            self._new.append(Request(handle, kind, fut, loop, proposed))
             self._cv.notify()
         return await fut
 
@@ -159,7 +131,7 @@ class BatchScheduler:
         now = time.perf_counter()
         try:
             outcomes, n_items, n_tokens, decode_s = self.engine.step(reqs, self.max_batch_tokens)
-        except BaseException as exc:  # noqa: BLE001 - an engine bug fails the batch, not the thread
+        except BaseException as exc:  # noqa: BLE001 - step confines failures to their requests; this is a bug
             log.exception("batch failed")
             for req in reqs:
                 _resolve(req.future, req.loop, None, exc)
@@ -183,6 +155,38 @@ class BatchScheduler:
                 keep.append(req)
         self._active = keep
         return progressed
+
+
+class EngineWorker:
+    """Runs a batching engine's work on one dedicated thread, awaitable from asyncio.
+
+    `call(fn, *args)` runs any engine method there; `generate`/`prefill` go
+    through the batch scheduler, which serves many sessions in one decode.
+    """
+
+    def __init__(self, engine: BatchEngine, max_batch_tokens: int = 512, observer: BatchObserver | None = None) -> None:
+        self.engine = engine
+        self.scheduler = BatchScheduler(engine, max_batch_tokens, observer)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.scheduler.call(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        return self.scheduler.submit(fn, *args)
+
+    async def generate(self, handle: int, proposed: int = -1) -> GenerateResult:
+        """The session's next token, batched with other sessions' (`proposed`: the device's, for the tie rule)."""
+        result: GenerateResult = await self.scheduler.request(handle, GENERATE, proposed)
+        return result
+
+    async def prefill(self, handle: int) -> float:
+        """Decode the session's pending tokens, batched, keeping the next position's logits. Returns compute seconds."""
+        seconds: float = await self.scheduler.request(handle, PREFILL)
+        return seconds
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.engine.close_all()
 
 
 def _resolve(fut: Any, loop: asyncio.AbstractEventLoop | None, result: Any, error: BaseException | None) -> None:

@@ -4,22 +4,32 @@ Independent of FastAPI: it takes decoded messages and a `send` coroutine, so
 the rules (hello first, positions must match the history, limits) can be read
 in one place. A rule broken raises ProtocolError; the transport turns that
 into an `error` reply and keeps the connection.
+
+The engine is reached only through the `Engine` and `Worker` protocols
+(cloud_server/engine_api.py): what it cannot do (its `capabilities`) is
+refused with a named error, and an engine's refusal (`EngineError`, a
+`SamplingError`) becomes the error code it names; the session lives on.
+A refused `generate` leaves the history as it was, so the device may retry at
+the same position.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Awaitable, Callable, NoReturn
 
+from cloud_server.audit import SessionAudit
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
-from cloud_server.audit import SessionAudit
-from cloud_server.engine import EngineFull, EngineWorker
+from cloud_server.engine_api import EngineError, EngineFull, GenerateResult, Worker
 from cloud_server.flywheel import recorder_for
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, SessionGuard
 from cloud_server.services import Services
-from models.registry import ModelInfo
+from shared.model_info import ModelInfo
 from shared.protocol import (
     PROTOCOL_VERSION,
     Accept,
@@ -39,7 +49,7 @@ from shared.protocol import (
     sampling_from_dict,
     token_hash,
 )
-from shared.sampling import NO_GUESS
+from shared.sampling import NO_GUESS, Guess, SamplingError
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +58,48 @@ class ConnectionDone(Exception):
     """The connection should close (after a reject or a close)."""
 
 
+@dataclass(slots=True)
+class SessionState:
+    """What a connection holds once `hello` is accepted: its engine session, key, abuse guard and audit."""
+
+    handle: int  # the engine's session
+    session_id: str
+    key: KeyPolicy  # holds one of the key's sessions until close
+    guard: SessionGuard
+    audit: SessionAudit | None  # None when the audit log is off
+
+    def record_tokens(self, position: int, tokens: list[int], cloud: bool) -> None:
+        if self.audit is not None:
+            self.audit.tokens(position, tokens, cloud=cloud)
+
+    def record_rollback(self, position: int) -> None:
+        if self.audit is not None:
+            self.audit.rollback(position)
+
+    def flag(self) -> bool:
+        """Mark the audit log flagged; True the first time (the caller counts and logs it once)."""
+        if self.audit is None:
+            return True
+        first = not self.audit.flagged
+        self.audit.flagged = True
+        return first
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """An engine's refusal as the ProtocolError it names (the session survives it)."""
+    try:
+        yield
+    except EngineError as exc:
+        raise ProtocolError(exc.code, str(exc)) from None
+    except SamplingError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from None
+
+
 class Connection:
     def __init__(
         self,
-        worker: EngineWorker,
+        worker: Worker,
         config: ServerConfig,
         keys: KeyChecker,
         info: ModelInfo,
@@ -60,50 +108,60 @@ class Connection:
     ) -> None:
         self.worker = worker
         self.engine = worker.engine
+        self.caps = self.engine.capabilities()
         self.config = config
         self.keys = keys
         self.info = info
         self.send = send
-        self.seq: int | None = None
-        self.session_id = ""
+        self.session: SessionState | None = None  # set by an accepted hello
         self.n_errors = 0
         self.cloud_tokens = 0
         self.recorder = recorder_for(config.record_dir, info.name, info.fingerprint)  # None unless --record-dir
         self.prefill_ms = 0.0  # background prefill after hello/sync, reported with the next reply (prefill_ms)
         self.services = services or Services()
-        self.key: KeyPolicy | None = None  # set by hello; holds a session of the key's quota
-        self.guard: SessionGuard | None = None
         self.edge_model = ""
-        self.audit: SessionAudit | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id if self.session is not None else ""
+
+    @property
+    def seq(self) -> int | None:
+        """The engine session's handle once hello was accepted, else None (the transport asks)."""
+        return self.session.handle if self.session is not None else None
 
     async def on_message(self, msg: Message) -> None:
         if isinstance(msg, Hello):
+            if self.session is not None:
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello sent twice on one connection")
             return await self._hello(msg)
-        if self.seq is None:
+        st = self.session
+        if st is None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"first message must be hello, got {msg.type}")
         if isinstance(msg, Sync):
-            return await self._sync(msg)
+            return await self._sync(st, msg)
         if isinstance(msg, Generate):
-            return await self._generate(msg)
+            return await self._generate(st, msg)
         if isinstance(msg, Verify):
-            return await self._verify(msg)
+            return await self._verify(st, msg)
         if isinstance(msg, Rollback):
-            return await self._rollback(msg)
+            return await self._rollback(st, msg)
         if isinstance(msg, Close):
             raise ConnectionDone(msg.reason)
         raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} is not a device-to-cloud message")
 
-    async def _reject(self, code: str, reason: str, kind: str | None = None) -> None:
+    async def _reject(self, code: str, reason: str, kind: str | None = None) -> NoReturn:
         log.info("reject: %s (%s)", code, reason)
         self.services.metrics.rejections.labels(kind or code).inc()
         await self.send(Reject(code=code, reason=reason))
         raise ConnectionDone(reason)
 
     async def _hello(self, msg: Hello) -> None:
-        if self.seq is not None:
-            raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello sent twice on one connection")
         if msg.version != PROTOCOL_VERSION:
-            await self._reject(ErrorCode.VERSION_MISMATCH, f"protocol version {msg.version} not supported; this server speaks {PROTOCOL_VERSION}")
+            await self._reject(
+                ErrorCode.VERSION_MISMATCH,
+                f"protocol version {msg.version} not supported; this server speaks {PROTOCOL_VERSION}",
+            )
         key = self.keys.identify(msg.api_key)
         if key is None:
             await self._reject(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
@@ -116,22 +174,30 @@ class Connection:
             )
         sampling = sampling_from_dict(msg.sampling)
         try:
-            self.services.quotas.open_session(key)  # type: ignore[arg-type]
+            self.services.quotas.open_session(key)
         except QuotaExceeded as exc:
             await self._reject(ErrorCode.BUSY, exc.reason, exc.kind)
-        self.key = key
-        self.edge_model = msg.edge_model
-        prompt = await self.worker.call(self.engine.model.chat_tokens, msg.messages)
         try:
-            self.seq = await self.worker.call(self.engine.open, prompt, sampling)
+            prompt = await self.worker.call(self.engine.chat_tokens, msg.messages)
+            handle = await self.worker.call(self.engine.open, prompt, sampling)
         except EngineFull as exc:
+            self.services.quotas.close_session(key)
             await self._reject(ErrorCode.BUSY, f"{exc}; try again later", "capacity")
-        self.session_id = f"s{self.seq}-{id(self):x}"
-        self.guard = SessionGuard(key, self.services.abuse_warmup_tokens)  # type: ignore[arg-type]
-        self.audit = self.services.audit.start(self.session_id, key.name, len(prompt))  # type: ignore[union-attr]
+        except BaseException:
+            self.services.quotas.close_session(key)
+            raise
+        session_id = f"s{handle}-{id(self):x}"
+        self.edge_model = msg.edge_model
+        st = self.session = SessionState(
+            handle,
+            session_id,
+            key,
+            SessionGuard(key, self.services.abuse_warmup_tokens),
+            self.services.audit.start(session_id, key.name, len(prompt)),
+        )
         await self.send(
             Accept(
-                session_id=self.session_id,
+                session_id=session_id,
                 cloud_model=self.info.fingerprint,
                 tokenizer=self.info.tokenizer_fingerprint,
                 n_prompt=len(prompt),
@@ -139,123 +205,175 @@ class Connection:
                 max_message_bytes=self.config.max_message_bytes,
             )
         )
-        await self._prefill()
+        await self._prefill(st)
 
-    def _check_position(self, mtype: str, position: int) -> None:
-        n = len(self.engine.history(self.seq))  # type: ignore[arg-type]
+    def _check_position(self, st: SessionState, mtype: str, position: int) -> None:
+        n = len(self.engine.history(st.handle))
         if position != n:
-            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{mtype} at position {position}, but the session holds {n} tokens")
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER, f"{mtype} at position {position}, but the session holds {n} tokens"
+            )
 
     def _check_tokens(self, tokens: list[int]) -> None:
-        n_vocab = self.engine.model.n_vocab
+        n_vocab = self.caps.n_vocab
         if any(t < 0 or t >= n_vocab for t in tokens):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"token ids must be within [0, {n_vocab})")
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"token ids must be within [0, {n_vocab})", field="tokens")
 
-    async def _prefill(self) -> None:
-        try:
-            self.prefill_ms += 1000.0 * await self.worker.prefill(self.seq)  # type: ignore[arg-type]
-        except EngineFull as exc:
-            raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
+    async def _prefill(self, st: SessionState) -> None:
+        with engine_errors():
+            self.prefill_ms += 1000.0 * await self.worker.prefill(st.handle)
 
-    async def _sync(self, msg: Sync) -> None:
-        self._check_position("sync", msg.position)
+    async def _sync(self, st: SessionState, msg: Sync) -> None:
+        self._check_position(st, "sync", msg.position)
         self._check_tokens(msg.tokens)
-        self._device_tokens(msg.position, msg.tokens)
-        self.engine.append(self.seq, msg.tokens)  # type: ignore[arg-type]
-        await self._prefill()
+        self._device_tokens(st, msg.position, msg.tokens)
+        self.engine.append(st.handle, msg.tokens)
+        await self._prefill(st)
 
-    def _device_tokens(self, position: int, tokens: list[int]) -> None:
-        """Account tokens the device wrote (abuse check, audit, metrics)."""
+    def _device_tokens(self, st: SessionState, position: int, tokens: list[int], guarded: bool = False) -> None:
+        """Account tokens the device wrote (abuse check unless already `guarded`, audit, metrics)."""
         if tokens:
-            self.guard.device_tokens(len(tokens))  # type: ignore[union-attr]
+            if not guarded:
+                st.guard.device_tokens(len(tokens))
             self.services.metrics.device_tokens.inc(len(tokens))
-            if self.audit is not None:
-                self.audit.tokens(position, tokens, cloud=False)
+            st.record_tokens(position, tokens, cloud=False)
 
-    def _cloud_token(self, position: int, token: int) -> None:
-        self.guard.cloud_token()  # type: ignore[union-attr]
+    def _cloud_token(self, st: SessionState, position: int, token: int) -> None:
+        st.guard.cloud_token()
         self.services.metrics.hard_tokens.inc()
-        if self.audit is not None:
-            self.audit.tokens(position, [token], cloud=True)
+        st.record_tokens(position, [token], cloud=True)
 
-    def _admit_hard_tokens(self, n: int) -> None:
-        """Quota and abuse checks before the cloud writes; refusals are `busy` errors naming the limit."""
+    def _admit_hard_tokens(self, st: SessionState, n: int, carried: int = 0) -> None:
+        """Quota and abuse checks before the cloud writes; refusals are `busy` errors naming the limit.
+
+        `carried`: device tokens arriving with the request; the abuse check counts them, and a
+        refusal counts them out again (the refused request leaves the session as it was)."""
+        st.guard.device_tokens(carried)
         try:
-            self.guard.check_hard_token()  # type: ignore[union-attr]
-            self.services.quotas.take_cloud_tokens(self.key, n)  # type: ignore[arg-type]
+            st.guard.check_hard_token()
+            self.services.quotas.take_cloud_tokens(st.key, n)
         except QuotaExceeded as exc:
+            st.guard.device_tokens(-carried)
             self.services.metrics.rejections.labels(exc.kind).inc()
-            if exc.kind.startswith("abuse") and not (self.audit and self.audit.flagged):
+            if exc.kind.startswith("abuse") and st.flag():
                 self.services.metrics.abuse_flags.inc()
-                log.warning("session %s (key %s) flagged: %s", self.session_id, self.key.name if self.key else "-", exc.reason)
-                if self.audit is not None:
-                    self.audit.flagged = True
+                log.warning("session %s (key %s) flagged: %s", st.session_id, st.key.name, exc.reason)
             raise ProtocolError(ErrorCode.BUSY, exc.reason) from None
 
-    async def _rollback(self, msg: Rollback) -> None:
-        n = len(self.engine.history(self.seq))  # type: ignore[arg-type]
+    async def _rollback(self, st: SessionState, msg: Rollback) -> None:
+        n = len(self.engine.history(st.handle))
         if msg.position > n:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"rollback to {msg.position}, but the session holds {n} tokens")
-        await self.worker.call(self.engine.rollback, self.seq, msg.position)
-        if self.audit is not None:
-            self.audit.rollback(msg.position)
+        await self.worker.call(self.engine.rollback, st.handle, msg.position)
+        st.record_rollback(msg.position)
 
-    async def _generate(self, msg: Generate) -> None:
-        self._check_position("generate", msg.position)
+    async def _generate(self, st: SessionState, msg: Generate) -> None:
+        self._check_position(st, "generate", msg.position)
         self._check_tokens(msg.tokens)
+        if msg.proposed >= self.caps.n_vocab:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"proposed must be -1 or within [0, {self.caps.n_vocab})", field="proposed"
+            )
         if msg.max_tokens > self.config.max_tokens_per_request:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}")
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
+                field="max_tokens",
+            )
         t_received = time.perf_counter()
-        self._device_tokens(msg.position, msg.tokens)
-        self.engine.append(self.seq, msg.tokens)  # type: ignore[arg-type]
+        # the first token: refused, it leaves the history as it was (the device may retry at msg.position)
+        self._admit_hard_tokens(st, 1, carried=len(msg.tokens))
+        self.engine.append(st.handle, msg.tokens)
+        try:
+            with engine_errors():
+                first = await self.worker.generate(st.handle, msg.proposed)
+        except Exception:
+            st.guard.device_tokens(-len(msg.tokens))
+            if msg.tokens:
+                await self.worker.call(self.engine.rollback, st.handle, msg.position)
+            raise
+        self._device_tokens(st, msg.position, msg.tokens, guarded=True)
         position = msg.position + len(msg.tokens)
         for i in range(msg.max_tokens):
-            self._admit_hard_tokens(1)
-            try:
-                token, logprob, seconds = await self.worker.generate(self.seq)  # type: ignore[arg-type]
-            except EngineFull as exc:
-                raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
-            self._cloud_token(position + i, token)
+            if i == 0:
+                written = first
+            else:  # a refusal from here on keeps the tokens already sent
+                self._admit_hard_tokens(st, 1)
+                with engine_errors():
+                    written = await self.worker.generate(st.handle)
+            token = written.token
+            self._cloud_token(st, position + i, token)
             eog = self.engine.is_eog(token)
             final = eog or i == msg.max_tokens - 1
             self.cloud_tokens += 1
             if i == 0 and self.recorder is not None and msg.hidden is not None:  # flywheel (opt-in)
                 self.recorder.record(self.edge_model, msg.hidden, msg.proposed, token, position)
-            prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
-            await self.send(Tokens(request_id=msg.request_id, position=position + i, ids=[token], logprobs=[logprob], compute_ms=seconds * 1000.0, final=final, eog=eog, prefill_ms=prefill_ms))
+            await self._send_tokens(msg.request_id, position + i, written, final, eog)
             self.services.metrics.hard_token_time.observe(time.perf_counter() - t_received)
             t_received = time.perf_counter()
             if final:
                 if msg.lookahead and not eog:
-                    await self._send_next(msg.request_id, position + i + 1)
+                    await self._send_next(st, msg.request_id, position + i + 1)
                 return
 
-    async def _send_next(self, request_id: int, position: int) -> None:
+    async def _send_tokens(self, request_id: int, position: int, w: GenerateResult, final: bool, eog: bool) -> None:
+        prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
+        await self.send(
+            Tokens(
+                request_id=request_id,
+                position=position,
+                ids=[w.token],
+                logprobs=[w.logprob],
+                compute_ms=w.compute_s * 1000.0,
+                final=final,
+                eog=eog,
+                prefill_ms=prefill_ms,
+            )
+        )
+
+    async def _send_next(self, st: SessionState, request_id: int, position: int) -> None:
         """Lookahead: decode the token just written (the next sync's prefill would have) and
         announce the choice its logits give for `position`. The decode is reported as
-        background prefill with the next reply; a full KV cache announces -1 rather than failing."""
-        try:
-            self.prefill_ms += 1000.0 * await self.worker.prefill(self.seq)  # type: ignore[arg-type]
-            g = await self.worker.call(self.engine.peek_next, self.seq)
-        except EngineFull:
-            g = NO_GUESS
-        await self.send(Next(request_id=request_id, position=position, token=g.token, logprob=g.logprob, top_ids=g.top_ids, top_logprobs=g.top_logprobs))
+        background prefill with the next reply. No guess (-1, which the device reads as none)
+        when the engine cannot guess or the guess fails: the tokens are already sent."""
+        g: Guess = NO_GUESS
+        if self.caps.guess:
+            try:
+                self.prefill_ms += 1000.0 * await self.worker.prefill(st.handle)
+                g = await self.worker.call(self.engine.guess, st.handle)
+            except (EngineError, SamplingError) as exc:
+                log.debug("session %s: no lookahead guess (%s)", st.session_id, exc)
+        await self.send(
+            Next(
+                request_id=request_id,
+                position=position,
+                token=g.token,
+                logprob=g.logprob,
+                top_ids=g.top_ids,
+                top_logprobs=g.top_logprobs,
+            )
+        )
 
-    async def _verify(self, msg: Verify) -> None:
-        self._check_position("verify", msg.position)
+    async def _verify(self, st: SessionState, msg: Verify) -> None:
+        if not self.caps.verify:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"verify is not supported by this server's engine ({self.caps.name}); use generate",
+            )
+        self._check_position(st, "verify", msg.position)
         self._check_tokens(msg.tokens)
-        if len(msg.tokens) >= self.engine.ctx.n_batch:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: at most {self.engine.ctx.n_batch - 1} drafted tokens")
-        self._admit_hard_tokens(1)
-        try:
-            r = await self.worker.call(self.engine.verify, self.seq, msg.tokens, msg.check, msg.bonus, msg.tolerance)
-        except EngineFull as exc:
-            raise ProtocolError(ErrorCode.CONTEXT_FULL, str(exc)) from None
+        if len(msg.tokens) > self.caps.max_verify_tokens:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"verify: at most {self.caps.max_verify_tokens} drafted tokens", field="tokens"
+            )
+        self._admit_hard_tokens(st, 1)
+        with engine_errors():
+            r = await self.worker.call(self.engine.verify, st.handle, msg.tokens, msg.check, msg.bonus, msg.tolerance)
         self.cloud_tokens += int(r.token >= 0)
-        self._device_tokens(msg.position, msg.tokens[: r.accepted])
+        self._device_tokens(st, msg.position, msg.tokens[: r.accepted])
         if r.token >= 0:
-            self._cloud_token(msg.position + r.accepted, r.token)
-        if self.recorder is not None and msg.hidden is not None:  # flywheel (opt-in): the checked hard tokens, as for generate
+            self._cloud_token(st, msg.position + r.accepted, r.token)
+        if self.recorder is not None and msg.hidden is not None:  # flywheel (opt-in): the checked hard tokens
             rows = msg.hidden.reshape(len(msg.check), -1)
             for off, hidden in zip(msg.check, rows):
                 if off > r.accepted:  # after the rejection: never written
@@ -264,18 +382,25 @@ class Connection:
                 self.recorder.record(self.edge_model, hidden, msg.tokens[off], cloud, msg.position + off)
         prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
         await self.send(
-            Verdict(request_id=msg.request_id, position=msg.position, accepted=r.accepted, token=r.token, logprob=r.logprob, compute_ms=r.compute_ms, eog=r.eog, prefill_ms=prefill_ms)
+            Verdict(
+                request_id=msg.request_id,
+                position=msg.position,
+                accepted=r.accepted,
+                token=r.token,
+                logprob=r.logprob,
+                compute_ms=r.compute_ms,
+                eog=r.eog,
+                prefill_ms=prefill_ms,
+            )
         )
 
     async def close(self) -> None:
         if self.recorder is not None:
             self.recorder.flush(self.edge_model)
-        if self.key is not None:
-            key, self.key = self.key, None
-            self.services.quotas.close_session(key)
-        if self.audit is not None:
-            audit, self.audit = self.audit, None
-            self.services.audit.finish(audit, edge_model=self.edge_model)
-        if self.seq is not None:
-            seq, self.seq = self.seq, None
-            await self.worker.call(self.engine.close, seq)
+        st, self.session = self.session, None
+        if st is None:
+            return
+        self.services.quotas.close_session(st.key)
+        if st.audit is not None:
+            self.services.audit.finish(st.audit, edge_model=self.edge_model)
+        await self.worker.call(self.engine.close, st.handle)

@@ -1,13 +1,13 @@
-"""What one routed answer produces: a stream of token events and a final record.
+"""What one routed answer produces: a stream of token events and one final record.
 
 These types are the contract between the routed generator (text in, tokens out)
 and everything that consumes an answer: the CLI, the voice pipeline, the replay
-harness. They hold no model or network state.
+harness (which stores `Answer.to_json()` rows). They hold no model or network state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 Route = Literal["edge", "cloud"]
@@ -15,13 +15,34 @@ Route = Literal["edge", "cloud"]
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One accepted token of an answer, emitted as soon as it is known."""
+    """One accepted token of an answer, emitted as soon as it is released."""
 
     index: int  # position within the answer (0 = first generated token)
     token_id: int
     text: str  # the token's text; multi-byte characters complete on a later token
     route: Route  # which model wrote it
     score: float | None  # router score at this position (None when not computed)
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Cloud traffic of a link, a session or one answer (the difference of two totals)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    round_trips: int = 0
+    cloud_compute_ms: float = 0.0  # all cloud model time, background prefill included
+    wait_ms: float = 0.0  # device time spent waiting on cloud replies (network + cloud compute)
+    background_ms: float = 0.0  # the part of cloud_compute_ms done while the device was not waiting
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Traffic)))
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(Traffic)))
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 @dataclass(slots=True)
@@ -42,26 +63,27 @@ class Latency:
 class Answer:
     """The finished answer with everything needed to audit how it was made."""
 
-    text: str
-    tokens: list[int]
-    routes: list[Route]
-    scores: list[float | None]
     policy: str
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)
+    scores: list[float | None] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # each token's text, as streamed
+    emit_ms: list[float] = field(default_factory=list)  # when each token was released, since the answer began
     degraded: bool = False  # the cloud was lost and the edge finished alone
     interrupted: bool = False  # stopped early by the caller (barge-in)
     finish_reason: str = "stop"  # "stop" (end of generation), "length", "interrupted"
+    decision: str = ""  # a per-answer choice of model (replay's query/session policies): "edge" or "cloud"
     latency: Latency = field(default_factory=Latency)
-    bytes_up: int = 0
-    bytes_down: int = 0
-    round_trips: int = 0
+    traffic: Traffic = field(default_factory=Traffic)
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
-    overruled_positions: list[int] = field(default_factory=list)  # answer indices where the cloud's check replaced an unflagged device token
-    cloud_compute_ms: float = 0.0
+    overruled_positions: list[int] = field(
+        default_factory=list
+    )  # where the cloud's check replaced an unflagged device token
     edge_model: str = ""
     cloud_model: str = ""
     routing_log: bytes = b""
-    pieces: list[str] = field(default_factory=list)  # each token's text, as streamed
     drift: dict[str, Any] | None = None
 
     @property
@@ -77,28 +99,49 @@ class Answer:
         """Cloud tokens taken from a lookahead guess, without a round trip."""
         return sum(1 for i in self.lookahead_positions if self.routes[i] == "cloud")
 
+    @property
+    def bytes_up(self) -> int:
+        return self.traffic.bytes_up
+
+    @property
+    def bytes_down(self) -> int:
+        return self.traffic.bytes_down
+
+    @property
+    def round_trips(self) -> int:
+        return self.traffic.round_trips
+
+    @property
+    def cloud_compute_ms(self) -> float:
+        return self.traffic.cloud_compute_ms
+
     def to_json(self) -> dict[str, Any]:
-        """The `--json` object of `tokenrouter-edge ask` (documented in the README)."""
+        """The `--json` object of `tokenrouter-edge ask` (documented in the README), also a replay row."""
         return {
             "text": self.text,
             "tokens": self.tokens,
             "routes": self.routes,
             "scores": [None if s is None else round(s, 6) for s in self.scores],
+            "pieces": self.pieces,
+            "emit_ms": [round(x, 3) for x in self.emit_ms],
             "n_tokens": self.n_tokens,
             "n_cloud_tokens": self.n_cloud_tokens,
             "policy": self.policy,
+            "decision": self.decision,
             "degraded": self.degraded,
             "interrupted": self.interrupted,
             "finish_reason": self.finish_reason,
             "latency_ms": self.latency.to_json(),
+            "total_ms": round(self.latency.total, 3),
+            "traffic": self.traffic.to_json(),
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "round_trips": self.round_trips,
+            "cloud_compute_ms": round(self.cloud_compute_ms, 3),
             "cloud_timeouts": self.cloud_timeouts,
             "lookahead_tokens": self.lookahead_tokens,
             "lookahead_positions": self.lookahead_positions,
             "overruled_positions": self.overruled_positions,
-            "cloud_compute_ms": round(self.cloud_compute_ms, 3),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,
             "drift": self.drift,

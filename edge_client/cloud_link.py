@@ -6,22 +6,24 @@ sends and waits for the tokens with a deadline. Any failure raises
 CloudUnavailable and leaves the link closed; the generator then finishes on
 the device and marks the answer degraded.
 
-The link also records what the cloud holds (`cloud_len`), so the generator
-knows which tokens to send with the next message.
+The link also records the tokens the cloud holds (`held`, `cloud_len`), so the
+device knows which tokens to send with the next message and how to bring a
+session it reuses in line with a new turn (`resync`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
+from edge_client.answer import Traffic
 from edge_client.decoder import common_prefix
-from models.registry import ModelInfo
+from shared.model_info import ModelInfo
 from shared.protocol import (
     PROTOCOL_VERSION,
     Accept,
@@ -73,16 +75,6 @@ class CloudError(RuntimeError):
 
 
 @dataclass(slots=True)
-class LinkStats:
-    bytes_up: int = 0
-    bytes_down: int = 0
-    round_trips: int = 0
-    cloud_compute_ms: float = 0.0  # all cloud model time for this link, background prefill included
-    background_ms: float = 0.0  # the part of it done after a sync, while the device was not waiting
-    rtt_ms: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class CloudToken:
     token: int
     logprob: float
@@ -95,13 +87,18 @@ class CloudLink:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.stats = LinkStats()
+        self.stats = Traffic()  # this link's totals
         self.accept: Accept | None = None
-        self.cloud_len = 0  # tokens the cloud's history holds
+        self.held: list[int] = []  # the tokens the cloud's history holds, as far as the device knows
         self._ws: ClientConnection | None = None
         self._next_request = 1
         self._max_bytes = 1 << 20
         self.consecutive_timeouts = 0
+
+    @property
+    def cloud_len(self) -> int:
+        """How many tokens the cloud's history holds."""
+        return len(self.held)
 
     @property
     def connected(self) -> bool:
@@ -113,7 +110,9 @@ class CloudLink:
         """hello -> accept; then make sure the cloud holds exactly `prompt`."""
         try:
             # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
-            self._ws = connect(self.url, open_timeout=self.connect_timeout_s, max_size=self._max_bytes + 4096, compression=None).__enter__()
+            self._ws = connect(
+                self.url, open_timeout=self.connect_timeout_s, max_size=self._max_bytes + 4096, compression=None
+            ).__enter__()
         except (OSError, TimeoutError, WebSocketException) as exc:
             self._ws = None
             raise CloudUnavailable(f"cannot connect to {self.url}: {exc}") from exc
@@ -140,7 +139,7 @@ class CloudLink:
             raise CloudUnavailable(f"cloud answered hello with {reply.type}")
         self.accept = reply
         self._max_bytes = reply.max_message_bytes
-        self.cloud_len = reply.n_prompt
+        self.held = list(prompt[: reply.n_prompt])
         if reply.prompt_hash != token_hash(prompt) or reply.n_prompt != len(prompt):
             # the cloud rendered the chat differently: the device's tokens are the truth
             self.rollback(0)
@@ -169,19 +168,19 @@ class CloudLink:
         """Append device-written tokens to the cloud's history (no reply)."""
         if tokens:
             self._send(Sync(position=self.cloud_len, tokens=list(tokens)))
-            self.cloud_len += len(tokens)
+            self.held.extend(tokens)
 
-    def resync(self, previous: list[int], history: list[int]) -> None:
-        """Make the cloud hold `history`, given it holds previous[:cloud_len] (a new turn of a
-        conversation): roll back to the common prefix, then sync the rest."""
-        keep = common_prefix(previous[: self.cloud_len], history)
+    def resync(self, history: list[int]) -> None:
+        """Make the cloud hold `history` (a new turn of a conversation, a prefill ahead of
+        time): roll back to the prefix it shares with what the cloud holds, then sync the rest."""
+        keep = common_prefix(self.held, history)
         if keep < self.cloud_len:
             self.rollback(keep)
         self.sync(history[keep:])
 
     def rollback(self, position: int) -> None:
         self._send(Rollback(position=position))
-        self.cloud_len = position
+        del self.held[position:]
 
     def generate(
         self,
@@ -213,7 +212,7 @@ class CloudLink:
                 lookahead=lookahead,
             )
         )
-        self.cloud_len += len(pending)
+        self.held.extend(pending)
         t0 = time.perf_counter()
         out: list[CloudToken] = []
         while True:
@@ -236,7 +235,7 @@ class CloudLink:
             for token, logprob in zip(reply.ids, reply.logprobs):
                 tok = CloudToken(token, logprob, eog=reply.eog and token == reply.ids[-1])
                 out.append(tok)
-                self.cloud_len += 1
+                self.held.append(token)
                 if on_token is not None and on_token(tok) is False and not reply.final:
                     self.close_quietly()  # the cloud is still writing into this session
                     self.stats.round_trips += 1
@@ -245,7 +244,7 @@ class CloudLink:
                 break
         self.consecutive_timeouts = 0
         self.stats.round_trips += 1
-        self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
+        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
         return out
 
     def next_guess(self, timeout_s: float) -> Guess | None:
@@ -268,7 +267,14 @@ class CloudLink:
                 return Guess(reply.token, reply.logprob, reply.top_ids, reply.top_logprobs)
         return None
 
-    def verify(self, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0, hidden: np.ndarray | None = None) -> Verdict:
+    def verify(
+        self,
+        tokens: list[int],
+        check: list[int],
+        bonus: bool = False,
+        tolerance: float = 0.0,
+        hidden: np.ndarray | None = None,
+    ) -> Verdict:
         """Send the tokens the cloud lacks and have it check the drafts at `check` offsets
         (exactly) and, with `tolerance` > 0, every draft (within that many nats).
         `hidden`: the hidden state at each `check` offset (rows), sent as float16.
@@ -280,8 +286,17 @@ class CloudLink:
         request_id = self._next_request
         self._next_request += 1
         position = self.cloud_len
-        self._send(Verify(request_id=request_id, position=position, tokens=list(tokens), check=list(check), bonus=bonus, tolerance=tolerance,
-                          hidden=None if hidden is None else np.asarray(hidden, dtype=np.float16).reshape(-1)))
+        self._send(
+            Verify(
+                request_id=request_id,
+                position=position,
+                tokens=list(tokens),
+                check=list(check),
+                bonus=bonus,
+                tolerance=tolerance,
+                hidden=None if hidden is None else np.asarray(hidden, dtype=np.float16).reshape(-1),
+            )
+        )
         t0 = time.perf_counter()
         while True:
             reply = self._recv(self.timeout_s)
@@ -291,12 +306,16 @@ class CloudLink:
                 break
         if reply.position != position or not 0 <= reply.accepted <= len(tokens):
             self.close_quietly()
-            raise CloudUnavailable(f"verdict for position {reply.position} accepting {reply.accepted} does not match the verify")
-        self.cloud_len = position + reply.accepted + (1 if reply.token >= 0 else 0)
+            raise CloudUnavailable(
+                f"verdict for position {reply.position} accepting {reply.accepted} does not match the verify"
+            )
+        self.held.extend(tokens[: reply.accepted])
+        if reply.token >= 0:
+            self.held.append(reply.token)
         self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
         self.stats.background_ms += reply.prefill_ms
         self.stats.round_trips += 1
-        self.stats.rtt_ms.append((time.perf_counter() - t0) * 1000.0)
+        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
         return reply
 
     # ---------------------------------------------------------------- framing
@@ -338,27 +357,3 @@ class CloudLink:
         except ProtocolError as exc:
             self.close_quietly()
             raise CloudUnavailable(f"cloud sent a bad frame: {exc}") from exc
-
-
-def session_holding(
-    link: CloudLink | None,
-    connect: Callable[[], CloudLink],
-    edge: ModelInfo,
-    messages: list[dict],
-    prompt: list[int],
-    previous: list[int],
-    sampling: SamplingParams,
-) -> CloudLink:
-    """A link whose cloud session holds `prompt`, at the start of a turn.
-
-    A still-connected `link` is re-synced (it held `previous`, the device's
-    history before this turn, up to its cloud_len); otherwise `connect()` opens
-    a new session. Raises CloudUnavailable or CloudError (carry on without the
-    cloud), CloudRejected (a configuration error to report).
-    """
-    if link is not None and link.connected:
-        link.resync(previous, prompt)
-        return link
-    link = connect()
-    link.open(edge, messages, prompt, sampling)
-    return link

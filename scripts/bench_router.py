@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import DEFAULT_EDGE_MODEL, model_info
 from models.train.cli import DEFAULT_ROUTER
 from shared.learned_router import LogitFeaturizer, load_router
 from shared.llama_backend import LlamaContext, LlamaModel
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.router import HeuristicRouter
 
 PROMPTS = ["what's the weather like tomorrow", "set a timer for ten minutes", "how do I say thank you in french"]
@@ -75,7 +75,9 @@ def main() -> None:
         ("entropy heuristic score", lambda h, lg, t: heuristic.score(h, lg, t), samples),
     ]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.2f}; numpy {np.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.2f}; numpy {np.__version__}"
+    )
     print(f"{len(samples)} real positions from {info.name}, {args.repeat} timed calls each (interleaved), medians:")
     interleaved_medians(rows, 200)  # warm up
     for (name, _, _), us in zip(rows, interleaved_medians(rows, args.repeat)):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,14 +26,17 @@ import numpy as np
 from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink
 from edge_client.decoder import EdgeDecoder
-from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter
 
-PROMPT = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]
+PROMPT = [
+    {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+    {"role": "user", "content": "Tell me a long story about a dragon who learns to cook."},
+]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -49,7 +51,12 @@ def machine() -> dict:
         pass
     import os
 
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "python": platform.python_version(), "llama_cpp_python": llama_cpp.__version__}
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp.__version__,
+    }
 
 
 def bench_router(edge: LlamaModel, n_tokens: int) -> dict:
@@ -93,7 +100,10 @@ def bench_decode(edge: LlamaModel, n_tokens: int, rounds: int = 3) -> dict:
     the two alternate over several rounds and the median is reported (this VM is noisy)."""
     prompt = edge.chat_tokens(PROMPT)
     rates: dict[str, list[float]] = {"with_hidden": [], "logits_only": []}
-    ctxs = {"with_hidden": LlamaContext(edge, n_ctx=2048, embeddings=True, threads=1), "logits_only": LlamaContext(edge, n_ctx=2048, embeddings=False, threads=1)}
+    ctxs = {
+        "with_hidden": LlamaContext(edge, n_ctx=2048, embeddings=True, threads=1),
+        "logits_only": LlamaContext(edge, n_ctx=2048, embeddings=False, threads=1),
+    }
     for _ in range(rounds):
         for label, ctx in ctxs.items():
             ctx.clear(0)

@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from voice_audio import spoken_wav, wer  # noqa: E402
 
-from edge_client.generator import CHECK_MODES, DEFAULT_CHECK, GeneratorOptions, open_generator  # noqa: E402
+from edge_client.generator import open_generator  # noqa: E402
+from edge_client.options import DEFAULT_CHECK, GeneratorOptions  # noqa: E402
+from shared.decision import CHECK_MODES  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
 

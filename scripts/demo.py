@@ -19,8 +19,21 @@ REPLY = ROOT / "build" / "voice" / "demo_reply.wav"
 
 def main() -> int:
     if not QUESTION.is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_audio.py"), "--out", str(QUESTION)], check=True)
-    cmd = [sys.executable, "-m", "edge_client.cli", "file", str(QUESTION), "--out", str(REPLY), "--cloud", "local", *sys.argv[1:]]
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "make_demo_audio.py"), "--out", str(QUESTION)], check=True
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "edge_client.cli",
+        "file",
+        str(QUESTION),
+        "--out",
+        str(REPLY),
+        "--cloud",
+        "local",
+        *sys.argv[1:],
+    ]
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 

@@ -39,7 +39,12 @@ from websockets.asyncio.client import connect  # noqa: E402
 from shared.protocol import PROTOCOL_VERSION, Accept, Error, Generate, Hello, Rollback, Tokens, decode, encode  # noqa: E402
 
 CLINC = Path("/work/shared/datasets/clinc150/data_full.json")
-FALLBACK_QUESTIONS = ["what is the capital of france", "set a timer for ten minutes", "how do you say hello in japanese", "what's the weather like"]
+FALLBACK_QUESTIONS = [
+    "what is the capital of france",
+    "set a timer for ten minutes",
+    "how do you say hello in japanese",
+    "what's the weather like",
+]
 
 
 @dataclass
@@ -86,7 +91,9 @@ def questions(n: int, seed: int) -> list[str]:
     return [rng.choice(pool) for _ in range(n)]
 
 
-async def device(url: str, key: str, info: dict, question: str, args: argparse.Namespace, st: PhaseStats, seed: int) -> None:
+async def device(
+    url: str, key: str, info: dict, question: str, args: argparse.Namespace, st: PhaseStats, seed: int
+) -> None:
     state = {"first": True}
     try:
         await _device(url, key, info, question, args, st, seed, state)
@@ -95,11 +102,18 @@ async def device(url: str, key: str, info: dict, question: str, args: argparse.N
             st.mark_ready()
 
 
-async def _device(url: str, key: str, info: dict, question: str, args: argparse.Namespace, st: PhaseStats, seed: int, state: dict) -> None:
+async def _device(
+    url: str, key: str, info: dict, question: str, args: argparse.Namespace, st: PhaseStats, seed: int, state: dict
+) -> None:
     rng = random.Random(seed)
     async with connect(url, compression=None, open_timeout=30, max_size=1 << 22) as ws:
-        hello = Hello(version=PROTOCOL_VERSION, api_key=key, edge_model=info["model_fingerprint"], tokenizer=info["tokenizer_fingerprint"],
-                      messages=[{"role": "user", "content": question}])
+        hello = Hello(
+            version=PROTOCOL_VERSION,
+            api_key=key,
+            edge_model=info["model_fingerprint"],
+            tokenizer=info["tokenizer_fingerprint"],
+            messages=[{"role": "user", "content": question}],
+        )
         await ws.send(encode(hello))
         acc = decode(await asyncio.wait_for(ws.recv(), 60))
         if not isinstance(acc, Accept):
@@ -191,12 +205,16 @@ class Sampler:
                 pass
 
 
-async def phase(url: str, key: str, info: dict, n: int, duration: float, args: argparse.Namespace, sampler: Sampler) -> tuple[PhaseStats, float]:
+async def phase(
+    url: str, key: str, info: dict, n: int, duration: float, args: argparse.Namespace, sampler: Sampler
+) -> tuple[PhaseStats, float]:
     st = PhaseStats(n_devices=n, duration=duration)
     qs = questions(n, args.seed + n)
     stop = asyncio.Event()
     mon = asyncio.create_task(sampler.run(stop))
-    results = await asyncio.gather(*(device(url, key, info, qs[i], args, st, args.seed * 1000 + i) for i in range(n)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(device(url, key, info, qs[i], args, st, args.seed * 1000 + i) for i in range(n)), return_exceptions=True
+    )
     elapsed = duration if st.measure_from is not None else float("nan")
     stop.set()
     await mon
@@ -236,8 +254,19 @@ async def main_async(args: argparse.Namespace) -> dict:
     else:
         from cloud_server.local import LocalCloudServer
 
-        extra = ["--max-sessions", str(max(args.sessions, 1) + 4), "--n-ctx", str(args.n_ctx), "--threads", str(args.server_threads),
-                 "--kv-layout", args.kv_layout, "--max-messages-per-s", "100000", *args.server_args]
+        extra = [
+            "--max-sessions",
+            str(max(args.sessions, 1) + 4),
+            "--n-ctx",
+            str(args.n_ctx),
+            "--threads",
+            str(args.server_threads),
+            "--kv-layout",
+            args.kv_layout,
+            "--max-messages-per-s",
+            "100000",
+            *args.server_args,
+        ]
         server = LocalCloudServer(model=args.model, extra_args=extra).start()
         url, key, pid, http_url = server.url, server.api_key, server.proc.pid, server.http_url  # type: ignore[union-attr]
     try:
@@ -298,8 +327,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2-135m-q4_1")
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--server-threads", type=int, default=1)
-    ap.add_argument("--kv-layout", choices=("unified", "split"), default="split", help="the started server's KV layout (docs/server.md)")
-    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to tokenrouter-cloud serve (must come last)")
+    ap.add_argument(
+        "--kv-layout",
+        choices=("unified", "split"),
+        default="split",
+        help="the started server's KV layout (docs/server.md)",
+    )
+    ap.add_argument(
+        "--server-args", nargs=argparse.REMAINDER, default=[], help="passed to tokenrouter-cloud serve (must come last)"
+    )
     ap.add_argument("--edge-tokens", type=int, default=3, help="device tokens sent with each hard token")
     ap.add_argument("--think-ms", type=float, default=7.7, help="device time per device token (0: closed loop)")
     ap.add_argument("--max-history", type=int, default=160, help="answer tokens before a device starts a new answer")
@@ -313,12 +349,22 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(out, indent=2))
         return
     print(f"machine: {out['machine']}")
-    print(f"1 session : {out['single_session_throughput_tok_s']:.1f} hard tok/s, p50 {out['single_session_p50_ms']:.1f} ms, p95 {out['single_session_p95_ms']:.1f} ms")
-    print(f"{args.sessions} sessions: {out['throughput_tok_s']:.1f} hard tok/s, p50 {out['p50_ms']:.1f} ms, p95 {out['p95_ms']:.1f} ms, "
-          f"mean batch {out['mean_batch_items']:.1f} sessions")
-    print(f"ratios    : throughput x{out['throughput_tok_s'] / out['single_session_throughput_tok_s']:.2f}, p95 x{out['p95_ms'] / out['single_session_p95_ms']:.2f}")
-    print(f"errors {out['errors']} {out['error_codes']}, lost {out['lost_tokens']}, duplicated {out['duplicated_tokens']}")
-    print(f"memory    : server RSS peak {out['server_rss_mib_peak']} MiB, KV peak {out['kv_bytes_peak'] / 2**20:.1f} MiB of {out['kv_budget_bytes'] / 2**20:.1f} MiB budget")
+    print(
+        f"1 session : {out['single_session_throughput_tok_s']:.1f} hard tok/s, p50 {out['single_session_p50_ms']:.1f} ms, p95 {out['single_session_p95_ms']:.1f} ms"
+    )
+    print(
+        f"{args.sessions} sessions: {out['throughput_tok_s']:.1f} hard tok/s, p50 {out['p50_ms']:.1f} ms, p95 {out['p95_ms']:.1f} ms, "
+        f"mean batch {out['mean_batch_items']:.1f} sessions"
+    )
+    print(
+        f"ratios    : throughput x{out['throughput_tok_s'] / out['single_session_throughput_tok_s']:.2f}, p95 x{out['p95_ms'] / out['single_session_p95_ms']:.2f}"
+    )
+    print(
+        f"errors {out['errors']} {out['error_codes']}, lost {out['lost_tokens']}, duplicated {out['duplicated_tokens']}"
+    )
+    print(
+        f"memory    : server RSS peak {out['server_rss_mib_peak']} MiB, KV peak {out['kv_bytes_peak'] / 2**20:.1f} MiB of {out['kv_budget_bytes'] / 2**20:.1f} MiB budget"
+    )
 
 
 if __name__ == "__main__":

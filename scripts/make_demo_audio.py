@@ -1,6 +1,6 @@
 """Synthesise the bundled spoken demo question with Piper (run at set-up; no audio is committed).
 
-    python scripts/make_demo_audio.py [--out build/voice/demo_question.wav] [--text "..."]
+python scripts/make_demo_audio.py [--out build/voice/demo_question.wav] [--text "..."]
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ def greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
 
 def forced_argmax(model: LlamaModel, prompt: list[int], answer: list[int]) -> list[int]:
     ctx = LlamaContext(model, n_ctx=1024, embeddings=False)
-    seq = prompt + answer[:-1]
     ctx.decode([DecodeItem(0, 0, prompt)])
     preds = [int(np.argmax(ctx.logits(len(prompt) - 1)))]
     for i, t in enumerate(answer[:-1]):
@@ -52,7 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     queries = [q for q, _ in json.loads(CLINC.read_text())["val"][:: 3000 // args.limit][: args.limit]]
     cloud = LlamaModel(model_info("smollm2-135m-q4_1"))
-    prompts = [cloud.chat_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in queries]
+    prompts = [
+        cloud.chat_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in queries
+    ]
     answers = [greedy(cloud, p, args.max_tokens) for p in prompts]
     for ftype in args.types:
         path = cache_dir() / f"SmolLM2-135M-Instruct.{ftype}.gguf"

@@ -28,11 +28,12 @@ from typing import Any
 
 import numpy as np
 
+# the logit features live beside the heuristics; re-exported here for the training code
+from shared.router import LOGIT_FEATURES, N_LOGIT_FEATURES, HeuristicRouter, LogitFeaturizer  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-# the logit features live beside the heuristics; re-exported here for the training code
-from shared.router import LOGIT_FEATURES, N_LOGIT_FEATURES, LogitFeaturizer  # noqa: E402,F401
 _HASH_MUL = 2654435761  # Knuth's multiplicative hash: spreads neighbouring token ids over buckets
 
 
@@ -111,9 +112,13 @@ class RouterFile:
         except (OSError, KeyError, ValueError) as exc:
             raise RouterFileError(f"{path} is not a TokenRouter router file ({exc})") from None
         if meta.get("format_version") != FORMAT_VERSION:
-            raise RouterFileError(f"{path} has router format {meta.get('format_version')}; this build reads {FORMAT_VERSION}: retrain it")
+            raise RouterFileError(
+                f"{path} has router format {meta.get('format_version')}; this build reads {FORMAT_VERSION}: retrain it"
+            )
         if tuple(meta.get("logit_features", ())) != LOGIT_FEATURES:
-            raise RouterFileError(f"{path} was trained on logit features {meta.get('logit_features')}; this build computes {list(LOGIT_FEATURES)}")
+            raise RouterFileError(
+                f"{path} was trained on logit features {meta.get('logit_features')}; this build computes {list(LOGIT_FEATURES)}"
+            )
         return cls(arrays["w1"], arrays["b1"], arrays["tok_table"], arrays["w2"], float(arrays["b2"][0]), meta)
 
     def save(self, path: str | Path) -> None:
@@ -142,7 +147,9 @@ class LearnedRouter:
         self.n_embd = int(rf.meta["n_embd"])
         self.n_buckets = rf.tok_table.shape[0]
         if rf.w1.shape[1] != self.n_embd + N_LOGIT_FEATURES:
-            raise RouterFileError(f"router input width {rf.w1.shape[1]} != n_embd {self.n_embd} + {N_LOGIT_FEATURES} logit features")
+            raise RouterFileError(
+                f"router input width {rf.w1.shape[1]} != n_embd {self.n_embd} + {N_LOGIT_FEATURES} logit features"
+            )
         self._w1h = np.ascontiguousarray(rf.w1[:, : self.n_embd])
         self._w1f = np.ascontiguousarray(rf.w1[:, self.n_embd :])
         self._b1 = rf.b1
@@ -222,7 +229,5 @@ def load_router(path: str | Path, edge_info: Any = None, on_mismatch: str = "err
         if on_mismatch == "error":
             raise RouterMismatchError(msg)
         log.warning("%s; falling back to the entropy heuristic", msg)
-        from shared.router import HeuristicRouter
-
         return HeuristicRouter("entropy", n_vocab or int(rf.meta.get("n_vocab", 1)))
     return router

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import llama_cpp as lc
 import numpy as np
 
-from models.registry import ModelInfo
+from shared.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,9 @@ class LlamaModel:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         bos = self.token_bytes(self.bos).decode(errors="replace") if self.bos >= 0 else ""
-        formatter = Jinja2ChatFormatter(self._template, eos_token="", bos_token=bos, add_generation_prompt=add_generation_prompt)
+        formatter = Jinja2ChatFormatter(
+            self._template, eos_token="", bos_token=bos, add_generation_prompt=add_generation_prompt
+        )
         return formatter(messages=messages).prompt
 
     def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -359,9 +361,3 @@ class LlamaContext:
             lc.llama_batch_free(self._batch)
             lc.llama_free(self.ptr)
             self.ptr = None
-
-
-def load_model(name_or_path: str | Path) -> LlamaModel:
-    from models.registry import model_info
-
-    return LlamaModel(model_info(name_or_path))

@@ -95,7 +95,9 @@ class RoutingPolicy:
         self.mode = config.mode
         self.calibrator: ScoreCalibrator | None = None
         if config.mode == "router" and config.cloud_fraction is not None:
-            self.calibrator = ScoreCalibrator(config.cloud_fraction, initial_threshold=config.threshold or 0.5, prior=prior)
+            self.calibrator = ScoreCalibrator(
+                config.cloud_fraction, initial_threshold=config.threshold or 0.5, prior=prior
+            )
         self._position = 0
         self._routing = False
 

@@ -17,6 +17,7 @@ detect a lost or reordered message at once.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import types
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -28,6 +29,16 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default limit for one frame, both directions
 MAX_TOKENS_PER_MESSAGE = 8192
 NEXT_TOP = 8  # how many of its most likely tokens the cloud lists in a `next` message
+
+# Ranges every decoded message is held to (docs/protocol.md, "Field ranges"): a value outside them
+# is refused at the edge with bad_field, so it never reaches a session, the engine or a log line.
+INT32_MAX = 2**31 - 1  # positions, token ids, counts: llama.cpp's int32
+MAX_REQUEST_ID = 2**53  # integers JSON carries exactly everywhere
+UINT32_MAX = 2**32 - 1  # sampling seed
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 10.0  # or exactly 0 (greedy); a tinier one overflows logits / T
+MAX_TOP_K = 1 << 20
+MAX_ID_CHARS = 256  # api_key, edge_model, tokenizer, client: short identifiers, no control characters
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class ErrorCode:
@@ -47,12 +58,17 @@ class ErrorCode:
 
 
 class ProtocolError(Exception):
-    """A message that cannot be accepted; `code` is one of ErrorCode."""
+    """A message that cannot be accepted; `code` is one of ErrorCode.
 
-    def __init__(self, code: str, message: str) -> None:
+    `field` names the offending field (bad_field) and `mtype` the message type when decode got
+    that far, so the server can answer a broken `hello` with a reject instead of waiting."""
+
+    def __init__(self, code: str, message: str, *, field: str | None = None, mtype: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.field = field
+        self.mtype = mtype
 
 
 @dataclass(slots=True)
@@ -242,7 +258,8 @@ class Error:
 
 Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error]
 MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error)
+    cls.type: cls
+    for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error)
 }
 _HINTS = {cls: get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 
@@ -269,8 +286,13 @@ def encode(msg: Message) -> str | bytes:
 
 
 def decode(frame: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """One WebSocket frame -> a validated message, or ProtocolError saying what is wrong."""
-    size = len(frame) if isinstance(frame, bytes) else len(frame.encode())
+    """One WebSocket frame -> a validated message, or ProtocolError saying what is wrong.
+
+    Every field is checked for type, range and finiteness here, at the edge: numbers are finite
+    (JSON's NaN/Infinity extensions and overflowing literals such as 1e400 are refused), ints
+    are ints (no bools, no floats) within their field's range, and strings are valid UTF-8
+    (no unpaired surrogates, which json.loads lets through from \\udXXX escapes)."""
+    size = len(frame) if isinstance(frame, bytes) else len(frame.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {size} bytes exceeds the {max_bytes}-byte limit")
     payload = b""
@@ -279,7 +301,9 @@ def decode(frame: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
             raise ProtocolError(ErrorCode.BAD_FRAME, "binary frame shorter than its 4-byte header length")
         (n,) = struct.unpack(">I", frame[:4])
         if n > len(frame) - 4:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"binary frame declares a {n}-byte header but holds {len(frame) - 4}")
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME, f"binary frame declares a {n}-byte header but holds {len(frame) - 4}"
+            )
         text, payload = frame[4 : 4 + n], frame[4 + n :]
     else:
         text = frame
@@ -287,11 +311,22 @@ def decode(frame: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         obj = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"message is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # an int of more than 4300 digits, arrays nested thousands deep
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"message cannot be parsed ({type(exc).__name__})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise ProtocolError(ErrorCode.BAD_FRAME, 'message must be a JSON object with a string "type"')
     cls = MESSAGE_TYPES.get(obj["type"])
     if cls is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {obj['type']!r}")
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {_shown(obj['type'])}")
+    try:
+        msg = _build(cls, obj, payload)
+    except ProtocolError as exc:
+        exc.mtype = cls.type
+        raise
+    return msg
+
+
+def _build(cls: type, obj: dict, payload: bytes) -> Message:
     kwargs: dict[str, Any] = {}
     hints = _HINTS[cls]
     for f in fields(cls):
@@ -301,13 +336,23 @@ def decode(frame: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         if f.name not in obj:
             if _has_default(f):
                 continue
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.type}: missing field {f.name!r}")
+            raise _bad(cls.type, f.name, "is missing")
         kwargs[f.name] = _check(cls.type, f.name, obj[f.name], hints[f.name])
     if payload and "hidden" not in kwargs:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"{cls.type} carries no binary payload")
     msg = cls(**kwargs)
     _check_ranges(msg)
     return msg
+
+
+def _bad(mtype: str, name: str, what: str) -> ProtocolError:
+    """A bad_field error naming the field; never echoes a string value (it may be a key or a prompt)."""
+    return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {what}", field=name)
+
+
+def _shown(value: str, limit: int = 32) -> str:
+    """A client-supplied string made safe to quote in a reply or a log line: escaped, short."""
+    return ascii(value[:limit]) + ("..." if len(value) > limit else "")
 
 
 def _has_default(f: Any) -> bool:
@@ -317,88 +362,159 @@ def _has_default(f: Any) -> bool:
 def _decode_hidden(dim: Any, payload: bytes) -> np.ndarray | None:
     if dim is None and not payload:
         return None
-    if not isinstance(dim, int) or dim < 0 or dim * 2 != len(payload):
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"hidden_dim {dim!r} does not match a {len(payload)}-byte float16 payload")
-    return np.frombuffer(payload, dtype="<f2")
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0 or dim * 2 != len(payload):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"hidden_dim does not match a {len(payload)}-byte float16 payload")
+    hidden = np.frombuffer(payload, dtype="<f2")
+    if not np.isfinite(hidden).all():
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, "field 'hidden' must hold finite numbers (no NaN or infinity)", field="hidden"
+        )
+    return hidden
+
+
+# Inclusive ranges of int fields, by name, in every message type (token-id lists: _TOKEN_RANGE).
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "version": (0, INT32_MAX),
+    "position": (0, INT32_MAX),
+    "request_id": (0, MAX_REQUEST_ID),
+    "max_tokens": (1, INT32_MAX),
+    "proposed": (-1, INT32_MAX),  # -1: none
+    "token": (-1, INT32_MAX),  # -1: none
+    "n_prompt": (0, INT32_MAX),
+    "accepted": (0, INT32_MAX),
+    "max_message_bytes": (0, INT32_MAX),
+}
+_TOKEN_RANGE = (0, INT32_MAX)  # each item of tokens, ids, top_ids, check
+_FLOAT_MIN: dict[str, float] = {"tolerance": 0.0, "compute_ms": 0.0, "prefill_ms": 0.0}
+_ID_FIELDS = frozenset({"api_key", "edge_model", "tokenizer", "client"})  # short identifiers: no control characters
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_text(value: Any) -> bool:
+    """A str that is valid UTF-8: no unpaired surrogate (json.loads accepts "\\ud800")."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _has_control(value: str) -> bool:
+    return any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in value)
 
 
 def _check(mtype: str, name: str, value: Any, hint: Any) -> Any:
-    """Check `value` against a field's annotation (the few shapes messages use)."""
+    """Check `value` against a field's annotation (the few shapes messages use) and its range."""
     origin, args = get_origin(hint), get_args(hint)
     if origin is Union or origin is types.UnionType:
         if value is None and type(None) in args:
             return None
         hint = next(a for a in args if a is not type(None))
         origin, args = get_origin(hint), get_args(hint)
-    ok: bool
     if hint is bool:
-        ok = isinstance(value, bool)
+        if not isinstance(value, bool):
+            raise _bad(mtype, name, "must be true or false")
     elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        lo, hi = _INT_RANGES.get(name, (-INT32_MAX - 1, INT32_MAX))
+        if not _is_int(value) or not lo <= value <= hi:
+            raise _bad(mtype, name, f"must be an integer within [{lo}, {hi}]")
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        if not _is_number(value):
+            raise _bad(mtype, name, "must be a finite number")
+        value = float(value)
+        if name in _FLOAT_MIN and value < _FLOAT_MIN[name]:
+            raise _bad(mtype, name, f"must be >= {_FLOAT_MIN[name]:g}")
     elif hint is str:
-        ok = isinstance(value, str)
+        if not _is_text(value):
+            raise _bad(mtype, name, "must be a string of valid UTF-8 (no unpaired surrogates)")
+        if name in _ID_FIELDS and (len(value) > MAX_ID_CHARS or _has_control(value)):
+            raise _bad(mtype, name, f"must be at most {MAX_ID_CHARS} characters without control characters")
     elif hint is dict:
-        ok = isinstance(value, dict)
+        if not isinstance(value, dict):
+            raise _bad(mtype, name, "must be an object")
     elif origin is list:
         item = args[0]
-        ok = isinstance(value, list) and len(value) <= MAX_TOKENS_PER_MESSAGE
-        if ok and item is int:
-            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        elif ok and item is float:
-            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        elif ok and item is dict:
-            ok = all(isinstance(v, dict) for v in value)
+        if not isinstance(value, list) or len(value) > MAX_TOKENS_PER_MESSAGE:
+            raise _bad(mtype, name, f"must be a list of at most {MAX_TOKENS_PER_MESSAGE} items")
+        if item is int:
+            lo, hi = _TOKEN_RANGE
+            if not all(_is_int(v) and lo <= v <= hi for v in value):
+                raise _bad(mtype, name, f"must hold integers within [{lo}, {hi}]")
+        elif item is float:
+            if not all(_is_number(v) for v in value):
+                raise _bad(mtype, name, "must hold finite numbers")
+            value = [float(v) for v in value]
+        elif item is dict:
+            if not all(isinstance(v, dict) for v in value):
+                raise _bad(mtype, name, "must hold objects")
     else:  # pragma: no cover - a message field of a type this checker does not know
         raise TypeError(f"unchecked field type {hint!r}")
-    if not ok:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} has the wrong type ({type(value).__name__})")
     return value
 
 
 def _check_ranges(msg: Message) -> None:
-    for name in ("position", "max_tokens", "request_id"):
-        value = getattr(msg, name, 0)
-        if value is not None and value < 0:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.type}: {name} must be >= 0")
+    """Rules between fields, and the nested objects of a hello."""
     if isinstance(msg, Verify):
         n = len(msg.tokens)
-        if any(not 0 <= c < n for c in msg.check) or any(a >= b for a, b in zip(msg.check, msg.check[1:])):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: check offsets must be ascending, unique and within [0, {n})")
         if not msg.tokens:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tokens must not be empty")
-        if not 0.0 <= msg.tolerance < float("inf"):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "verify: tolerance must be a finite number of nats >= 0")
+            raise _bad("verify", "tokens", "must not be empty")
+        if any(not 0 <= c < n for c in msg.check) or any(a >= b for a, b in zip(msg.check, msg.check[1:])):
+            raise _bad("verify", "check", f"must hold ascending, unique offsets within [0, {n})")
         if msg.hidden is not None and (not msg.check or msg.hidden.size == 0 or msg.hidden.size % len(msg.check)):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"verify: hidden must hold one equal row per check offset ({len(msg.check)})")
+            raise _bad("verify", "hidden", f"must hold one equal row per check offset ({len(msg.check)})")
     if isinstance(msg, Next) and len(msg.top_ids) != len(msg.top_logprobs):
-        raise ProtocolError(ErrorCode.BAD_FIELD, "next: top_ids and top_logprobs must have the same length")
-    if isinstance(msg, Generate) and msg.max_tokens < 1:
-        raise ProtocolError(ErrorCode.BAD_FIELD, "generate: max_tokens must be >= 1")
+        raise _bad("next", "top_logprobs", "must have as many items as top_ids")
+    if isinstance(msg, Tokens) and len(msg.ids) != len(msg.logprobs):
+        raise _bad("tokens", "logprobs", "must have as many items as ids")
     if isinstance(msg, Hello):
-        for m in msg.messages:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ProtocolError(ErrorCode.BAD_FIELD, 'hello: each message needs string "role" and "content"')
+        for i, m in enumerate(msg.messages):
+            name = f"messages[{i}]"
+            if set(m) != {"role", "content"}:
+                raise _bad("hello", name, 'must be an object with exactly "role" and "content"')
+            if m["role"] not in CHAT_ROLES:
+                raise _bad("hello", f"{name}.role", f"must be one of {', '.join(CHAT_ROLES)}")
+            if not _is_text(m["content"]):
+                raise _bad("hello", f"{name}.content", "must be a string of valid UTF-8 (no unpaired surrogates)")
+        sampling_from_dict(msg.sampling)
 
 
 def sampling_from_dict(obj: dict) -> SamplingParams:
-    """Validate the `sampling` object of a hello."""
+    """Validate the `sampling` object of a hello: types, ranges, finite values (docs/protocol.md).
+
+    Why so strict: the engine divides logits by the temperature and seeds numpy with the seed,
+    so a tiny temperature gives NaN probabilities and a negative or huge seed raises there."""
     base = asdict(SamplingParams())
+    if not isinstance(obj, dict):
+        raise _bad("hello", "sampling", "must be an object")
     unknown = set(obj) - set(base)
     if unknown:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"hello: unknown sampling fields {sorted(unknown)}")
-    base.update(obj)
-    try:
-        params = SamplingParams(
-            temperature=float(base["temperature"]), top_p=float(base["top_p"]), top_k=int(base["top_k"]), seed=int(base["seed"])
+        raise _bad(
+            "hello", "sampling", f"has unknown fields {', '.join(sorted(_shown(str(k), 16) for k in unknown)[:4])}"
         )
-    except (TypeError, ValueError):
-        raise ProtocolError(ErrorCode.BAD_FIELD, "hello: sampling values must be numbers") from None
-    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 1:
-        raise ProtocolError(ErrorCode.BAD_FIELD, "hello: need temperature >= 0, 0 < top_p <= 1, top_k >= 1")
-    return params
+    base.update(obj)
+    t, p, k, seed = base["temperature"], base["top_p"], base["top_k"], base["seed"]
+    if not _is_number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        raise _bad(
+            "hello",
+            "sampling.temperature",
+            f"must be 0 (greedy) or a number within [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+        )
+    if not _is_number(p) or not 0 < p <= 1:
+        raise _bad("hello", "sampling.top_p", "must be a number within (0, 1]")
+    if not _is_int(k) or not 1 <= k <= MAX_TOP_K:
+        raise _bad("hello", "sampling.top_k", f"must be an integer within [1, {MAX_TOP_K}]")
+    if not _is_int(seed) or not 0 <= seed <= UINT32_MAX:
+        raise _bad("hello", "sampling.seed", f"must be an integer within [0, {UINT32_MAX}]")
+    return SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=int(seed))
 
 
 def token_hash(tokens: list[int]) -> str:

@@ -105,6 +105,7 @@ def read(data: bytes) -> Iterator[LoggedToken]:
 def to_jsonl(data: bytes) -> str:
     """Auditor export: one JSON object per token."""
     return "".join(
-        json.dumps({k: getattr(t, k) for k in LoggedToken.__slots__ if not (k == "token_id" and t.token_id is None)}) + "\n"
+        json.dumps({k: getattr(t, k) for k in LoggedToken.__slots__ if not (k == "token_id" and t.token_id is None)})
+        + "\n"
         for t in read(data)
     )

@@ -3,6 +3,11 @@
 Greedy decoding is argmax. With a temperature, candidates are cut to the top-k
 (an O(V) partition, never a full sort of the vocabulary) and then to the top-p
 nucleus; draws come from a seeded generator so runs are reproducible.
+
+Logits or probabilities that are not finite (NaN, +inf: a broken decode, or a
+temperature so small that logits / temperature overflows) raise SamplingError
+rather than drawing garbage: numpy's argmax would pick a NaN, its choice() a
+ValueError nobody can name.
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.protocol import NEXT_TOP, SamplingParams
+
+
+class SamplingError(ValueError):
+    """No token can be chosen: the logits or the probabilities derived from them are not finite."""
 
 
 class Sampler:
@@ -27,15 +36,24 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         if self.greedy:
-            return int(np.argmax(logits))
+            token = int(np.argmax(logits))  # a NaN or +inf anywhere wins the argmax: one check covers them
+            if not np.isfinite(logits[token]):
+                raise SamplingError(f"the logits are not finite ({float(logits[token])} at token {token})")
+            return token
         p = self.params
         k = min(p.top_k, logits.shape[0])
         top = np.argpartition(logits, -k)[-k:]
-        scaled = logits[top].astype(np.float64) / p.temperature
-        order = np.argsort(-scaled)
-        top, scaled = top[order], scaled[order]
-        probs = np.exp(scaled - scaled[0])
-        probs /= probs.sum()
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaled = logits[top].astype(np.float64) / p.temperature
+            order = np.argsort(-scaled)
+            top, scaled = top[order], scaled[order]
+            probs = np.exp(scaled - scaled[0])
+            probs /= probs.sum()
+        if not np.all(np.isfinite(probs)):
+            raise SamplingError(
+                f"sampling probabilities are not finite at temperature {p.temperature:g} (logits up to "
+                f"{float(np.max(logits[top]))}); use a larger temperature, or 0 for greedy decoding"
+            )
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             top, probs = top[:keep], probs[:keep] / probs[:keep].sum()

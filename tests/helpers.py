@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -10,10 +11,11 @@ import numpy as np
 from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink
 from edge_client.generator import RoutedGenerator
-from models.registry import ModelInfo
+from edge_client.options import GeneratorOptions
+from shared.decision import TIE_NATS
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
-from shared.policy import PolicyConfig, RoutingPolicy
-from shared.protocol import SamplingParams
+from shared.model_info import ModelInfo
+from shared.policy import RoutingPolicy
 from shared.router import HeuristicRouter, Router
 
 
@@ -28,13 +30,31 @@ def make_generator(
     hysteresis: float = 0.0,
     timeout_s: float = 5.0,
     url: str | None = None,
+    policy: RoutingPolicy | None = None,
+    **options: object,
 ) -> RoutedGenerator:
+    """A generator against `server` (None: device only) with a fixed-threshold policy, greedy,
+    and neither lookahead nor the check unless `options` (GeneratorOptions fields) ask for them."""
     connect = None
     if server is not None:
         target = url or server.url
         connect = lambda: CloudLink(target, server.api_key, timeout_s=timeout_s)  # noqa: E731
-    policy = RoutingPolicy(PolicyConfig(mode, threshold=threshold, warmup=warmup, hysteresis=hysteresis))
-    return RoutedGenerator(edge, router or HeuristicRouter("entropy", edge.n_vocab), policy, SamplingParams(), connect=connect, sync_every=sync_every)
+    opts = GeneratorOptions(
+        policy=mode,
+        threshold=threshold,
+        cloud_fraction=None,
+        warmup=warmup,
+        hysteresis=hysteresis,
+        sync_every=sync_every,
+        lookahead=False,
+        check="off",
+        cloud_timeout_s=timeout_s,
+    )
+    opts = replace(opts, **options)  # type: ignore[arg-type]
+    policy = policy or RoutingPolicy(opts.policy_config())
+    return RoutedGenerator(
+        edge, opts, connect, router=router or HeuristicRouter("entropy", edge.n_vocab), policy=policy
+    )
 
 
 @contextlib.contextmanager
@@ -79,7 +99,30 @@ def teacher_forced_logits(info: ModelInfo, messages: list[dict], answer: list[in
         return out
 
 
-def is_greedy_choice(logits: np.ndarray, token: int, tie: float = 0.25) -> bool:
-    """`token` is the argmax of `logits`, or within `tie` of it: llama.cpp's kernels are not
-    batch-invariant, so a near-tie can fall either way depending on how the history was batched."""
+def is_greedy_choice(logits: np.ndarray, token: int, tie: float = TIE_NATS + 0.25) -> bool:
+    """`token` is the argmax of `logits`, or within `tie` of it: a token within TIE_NATS of the
+    best counts as the model's own choice (shared/decision.py), and llama.cpp's kernels are not
+    batch-invariant, so teacher forcing here reads logits up to ~0.25 nats off the ones the
+    deciding side saw (scripts/measure_kernel_ties.py)."""
     return bool(logits[token] >= logits.max() - tie)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one ending counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def agree_up_to_a_tie(info: ModelInfo, messages: list[dict], a: list[int], b: list[int], tie: float = 0.5) -> bool:
+    """Two answers of one model's choosing are the same, or first differ where that model (run
+    alone, teacher-forced) finds both tokens within `tie` nats of its best: a near-tie that
+    llama.cpp's batch-dependent kernels may break either way, after which the answers go apart."""
+    i = first_difference(a, b)
+    if i is None:
+        return True
+    if i >= min(len(a), len(b)):
+        return False
+    logits = teacher_forced_logits(info, messages, a[: i + 1])[i]
+    return is_greedy_choice(logits, a[i], tie) and is_greedy_choice(logits, b[i], tie)

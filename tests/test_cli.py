@@ -11,15 +11,43 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "edge_client.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_ask_json_with_a_local_cloud(tmp_path):
     log_path = tmp_path / "routes.jsonl"
-    p = run("ask", "what is the capital of france", "--json", "--max-tokens", "24", "--threshold", "0.3", "--check", "off", "--routing-log", str(log_path))
+    p = run(
+        "ask",
+        "what is the capital of france",
+        "--json",
+        "--max-tokens",
+        "24",
+        "--threshold",
+        "0.3",
+        "--check",
+        "off",
+        "--routing-log",
+        str(log_path),
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    for key in ("text", "tokens", "routes", "scores", "n_tokens", "n_cloud_tokens", "policy", "degraded", "latency_ms", "bytes_up", "bytes_down", "edge_model", "cloud_model"):
+    for key in (
+        "text",
+        "tokens",
+        "routes",
+        "scores",
+        "n_tokens",
+        "n_cloud_tokens",
+        "policy",
+        "degraded",
+        "latency_ms",
+        "bytes_up",
+        "bytes_down",
+        "edge_model",
+        "cloud_model",
+    ):
         assert key in out, key
     for key in ("first_token", "per_token_p50", "per_token_p95", "total", "router_p50"):
         assert out["latency_ms"][key] >= 0
@@ -28,7 +56,9 @@ def test_ask_json_with_a_local_cloud(tmp_path):
     # lookahead (on by default; here without the check): right after a round-trip cloud token the cloud's guess decides (no score)
     guessed = set(out["lookahead_positions"])
     assert guessed == {i for i, s in enumerate(out["scores"]) if s is None}
-    assert [s >= 0.3 for s in out["scores"] if s is not None] == [r == "cloud" for i, r in enumerate(out["routes"]) if i not in guessed]
+    assert [s >= 0.3 for s in out["scores"] if s is not None] == [
+        r == "cloud" for i, r in enumerate(out["routes"]) if i not in guessed
+    ]
     assert all(i > 0 and out["routes"][i - 1] == "cloud" for i in guessed)
     assert out["lookahead_tokens"] == sum(1 for i in guessed if out["routes"][i] == "cloud")
     assert out["round_trips"] == out["n_cloud_tokens"] - out["lookahead_tokens"]
@@ -40,14 +70,27 @@ def test_ask_json_with_a_local_cloud(tmp_path):
 def test_ask_with_the_clouds_check():
     """`--check`: one verify per clause instead of a round trip per hard token, no lookahead;
     every overruled position is a cloud token the router had not flagged."""
-    p = run("ask", "what is the capital of france", "--json", "--max-tokens", "24", "--threshold", "0.6", "--check", "--check-nats", "1")
+    p = run(
+        "ask",
+        "what is the capital of france",
+        "--json",
+        "--max-tokens",
+        "24",
+        "--threshold",
+        "0.6",
+        "--check",
+        "--check-nats",
+        "1",
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["lookahead_positions"] == [] and None not in out["scores"] and not out["degraded"]
     for i in out["overruled_positions"]:
         assert out["routes"][i] == "cloud" and out["scores"][i] < 0.6
     flagged = [s >= 0.6 for s in out["scores"]]
-    assert all(r == "cloud" for r, f in zip(out["routes"], flagged) if f), "a flagged draft is the cloud's, kept or replaced"
+    assert all(r == "cloud" for r, f in zip(out["routes"], flagged) if f), (
+        "a flagged draft is the cloud's, kept or replaced"
+    )
     assert 1 <= out["round_trips"] <= out["n_tokens"] and out["n_cloud_tokens"] >= len(out["overruled_positions"])
     bad = run("ask", "hi", "--check", "--check-nats", "0", "--cloud", "none")
     assert bad.returncode != 0 and "--check-nats" in bad.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 import urllib.request
 
@@ -15,7 +14,18 @@ from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink, CloudRejected
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.llama_backend import LlamaModel
-from shared.protocol import PROTOCOL_VERSION, MAX_MESSAGE_BYTES, ErrorCode, Generate, Hello, Next, SamplingParams, Sync, decode, encode
+from shared.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Generate,
+    Hello,
+    Next,
+    SamplingParams,
+    Sync,
+    decode,
+    encode,
+)
 from tests.conftest import chat
 from tests.helpers import make_generator
 
@@ -131,7 +141,9 @@ def test_lookahead_sends_the_next_token_the_cloud_then_writes(cloud_server, edge
         nxt = decode(ws.recv(timeout=10))
         assert nxt.type == "next" and nxt.request_id == 1 and nxt.position == n + 1 and nxt.token >= 0
         assert nxt.top_ids[0] == nxt.token and len(nxt.top_ids) == len(nxt.top_logprobs) == 8
-        assert nxt.top_logprobs[0] == pytest.approx(nxt.logprob, abs=1e-5) and all(a >= b for a, b in zip(nxt.top_logprobs, nxt.top_logprobs[1:]))
+        assert nxt.top_logprobs[0] == pytest.approx(nxt.logprob, abs=1e-5) and all(
+            a >= b for a, b in zip(nxt.top_logprobs, nxt.top_logprobs[1:])
+        )
         second = exchange(ws, encode(Generate(request_id=2, position=n + 1, tokens=[])))
         assert second.ids == [nxt.token] and second.logprobs[0] == pytest.approx(nxt.logprob, abs=1e-5)
 

@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 
 from cloud_server.local import LocalCloudServer
-from edge_client.generator import GeneratorOptions, build_router, open_generator
+from edge_client.generator import build_router, open_generator
+from edge_client.options import GeneratorOptions
 from models.registry import DEFAULT_CLOUD_MODEL
 from models.train.cli import DEFAULT_ROUTER
 from models.train.fit import FitOptions, fit
 from models.train.shards import load_records
 from shared.learned_router import DriftMonitor, LearnedRouter, RouterFileError, RouterMismatchError, load_router
 from shared.router import HeuristicRouter
-
 from tests.conftest import chat
 
-pytestmark = pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router; run `python -m models.train.cli reproduce`")
+pytestmark = pytest.mark.skipif(
+    not DEFAULT_ROUTER.is_file(), reason="no shipped router; run `python -m models.train.cli reproduce`"
+)
 
 
 def test_shipped_router_is_small_and_bound_to_the_default_pair(edge_info, cloud_info):
@@ -86,9 +88,18 @@ def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info,
     """Hard tokens reach the recorder with their hidden state from `generate` (check off) and
     from the cloud's check (`verify` carries the flagged drafts' hidden states)."""
     record = tmp_path / "live"
-    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]) as server:
-        opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, policy="router", cloud_fraction=None, threshold=0.0, max_tokens=10,
-                                check=check)
+    with LocalCloudServer(
+        model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]
+    ) as server:
+        opts = GeneratorOptions(
+            cloud=server.url,
+            api_key=server.api_key,
+            policy="router",
+            cloud_fraction=None,
+            threshold=0.0,
+            max_tokens=10,
+            check=check,
+        )
         with open_generator(opts) as gen:
             answer = gen.generate(chat("set a timer for ten minutes"), max_tokens=10)
             answer2 = gen.generate(chat("what is the capital of france"), max_tokens=10)
@@ -97,13 +108,28 @@ def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info,
     rec = load_records([record])
     assert len(rec) == n_cloud, "one live row per hard token"
     assert rec.meta["sources"] == ["flywheel"]
-    assert rec.meta["edge_fingerprint"] == edge_info.fingerprint and rec.meta["cloud_fingerprint"] == cloud_info.fingerprint
-    assert rec["hidden"].shape == (n_cloud, 576) and np.isnan(rec["logit_feats"]).all() and (rec["divergent"] == -1).all()
+    assert (
+        rec.meta["edge_fingerprint"] == edge_info.fingerprint
+        and rec.meta["cloud_fingerprint"] == cloud_info.fingerprint
+    )
+    assert (
+        rec["hidden"].shape == (n_cloud, 576) and np.isnan(rec["logit_feats"]).all() and (rec["divergent"] == -1).all()
+    )
     cloud_tokens = [t for a in (answer, answer2) for t, r in zip(a.tokens, a.routes) if r == "cloud"]
     assert sorted(rec["cloud_token"].tolist()) == sorted(cloud_tokens)
     assert np.array_equal(rec["mismatch"].astype(bool), rec["proposed"] != rec["cloud_token"])
     # fit accepts live shards (here on their own: too few rows to hold any out)
     if 0 < rec["mismatch"].sum() < len(rec):
-        report = fit(FitOptions(train=[str(record)], val=[str(record)], out=tmp_path / "live.npz", label="mismatch", epochs=2, hidden_units=8, buckets=16))
+        report = fit(
+            FitOptions(
+                train=[str(record)],
+                val=[str(record)],
+                out=tmp_path / "live.npz",
+                label="mismatch",
+                epochs=2,
+                hidden_units=8,
+                buckets=16,
+            )
+        )
         assert load_router(tmp_path / "live.npz", edge_info).meta["edge_fingerprint"] == edge_info.fingerprint
         assert report["data"]["sources"] == ["flywheel"]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from models.gguf import GGUFError, read_header
 from models.registry import DERIVED_SHA256, ModelNotFoundError, model_info, resolve_path, sha256_file
 from shared import routing_log
+from shared.gguf import GGUFError, read_header
 from shared.policy import PolicyConfig, RoutingPolicy, ScoreCalibrator, replay_decisions
 
 

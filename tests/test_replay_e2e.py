@@ -1,8 +1,8 @@
 """tokenrouter-replay end to end: real models, a real cloud server on loopback, every byte through the emulator.
 
 Each policy answers the same 3 CLINC150 val queries; the report must match its
-schema, speculative decoding must reproduce the cloud's greedy answer token for
-token, and router-verify with one model on both sides must reproduce the
+schema, speculative decoding must reproduce the cloud's greedy answer (up to
+near-ties), and router-verify with one model on both sides must reproduce the
 device's answer.
 """
 
@@ -16,6 +16,9 @@ import pytest
 from edge_client.replay.cli import main
 from edge_client.replay.metrics import SUMMARY_KEYS
 from edge_client.replay.policies import POLICY_KINDS
+from shared.decision import TIE_NATS
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
+from tests.helpers import agree_up_to_a_tie
 
 ALL = ",".join(POLICY_KINDS) + ",router-sync:nosync"
 
@@ -38,7 +41,22 @@ def all_policies(tmp_path_factory):
 
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = main(["--profile", "lan", "--policies", ALL, "--limit", "3", "--out", str(out), "--json", "--no-progress", "--max-tokens", "32"])
+        rc = main(
+            [
+                "--profile",
+                "lan",
+                "--policies",
+                ALL,
+                "--limit",
+                "3",
+                "--out",
+                str(out),
+                "--json",
+                "--no-progress",
+                "--max-tokens",
+                "32",
+            ]
+        )
     assert rc == 0
     return out, json.loads(buf.getvalue())
 
@@ -51,30 +69,60 @@ def test_every_policy_reports_the_schema(all_policies):
         assert s["ttft_ms_p50"] > 0 and s["per_token_ms_p50"] is not None, name
         assert 0.0 <= s["cloud_fraction"] <= 1.0 and s["cloud_nll"] > 0, name
     p = summary["policies"]
-    assert p["edge"]["cloud_fraction"] == 0 and p["edge"]["round_trips_per_answer"] == 0 and p["edge"]["cloud_compute_s_per_1k"] == 0
-    assert p["cloud"]["cloud_fraction"] == 1 and p["cloud"]["rouge_l_vs_cloud"] == 1.0 and p["cloud"]["cloud_compute_s_per_1k"] > 0
+    assert (
+        p["edge"]["cloud_fraction"] == 0
+        and p["edge"]["round_trips_per_answer"] == 0
+        and p["edge"]["cloud_compute_s_per_1k"] == 0
+    )
+    assert (
+        p["cloud"]["cloud_fraction"] == 1
+        and p["cloud"]["rouge_l_vs_cloud"] == 1.0
+        and p["cloud"]["cloud_compute_s_per_1k"] > 0
+    )
     report = json.loads((out / "report.json").read_text())
     assert report["sessions"] == 3 and report["machine"]["cpu_count"] and report["models"]["cloud"]
     assert report["network"]["up"]["chunks"] > 0 and report["network"]["down"]["overhead_ms_p50"] is not None
-    assert set(report["goals"]) == {"router-sync", "router-sync:nosync", "router-lookahead", "router-span", "router-verify", "router-check",
-                                    "router-check-after-first-clause", "speculative"}
+    assert set(report["goals"]) == {
+        "router-sync",
+        "router-sync:nosync",
+        "router-lookahead",
+        "router-span",
+        "router-verify",
+        "router-check",
+        "router-check-after-first-clause",
+        "speculative",
+    }
     md = (out / "report.md").read_text()
     assert "| router-verify |" in md and "emulator's own delay" in md
     for png in ("latency_cdf.png", "compute_vs_quality.png", "stages.png"):
         assert (out / png).stat().st_size > 1000
 
 
-def test_speculative_equals_cloud_token_for_token(all_policies):
-    out, _ = all_policies
-    for session, by in _rows(out).items():
-        assert by["speculative"][0]["tokens"] == by["cloud"][0]["tokens"], session
-        assert by["speculative"][0]["traffic"]["round_trips"] >= 1
+def _messages(row: dict) -> list[dict]:
+    return [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
 
 
-def test_eager_sync_changes_traffic_not_tokens(all_policies):
+def test_speculative_equals_cloud_up_to_ties(all_policies, cloud_info):
+    """Speculative decoding checks every draft: its answer is the cloud's greedy answer, except
+    where a draft ties with the cloud's best (shared/decision.py: TIE_NATS), which llama.cpp's
+    batch-dependent kernels break either way."""
     out, _ = all_policies
     for session, by in _rows(out).items():
-        assert by["router-sync"][0]["tokens"] == by["router-sync:nosync"][0]["tokens"], session
+        spec, cloud = by["speculative"][0], by["cloud"][0]
+        assert agree_up_to_a_tie(cloud_info, _messages(spec), spec["tokens"], cloud["tokens"], TIE_NATS + 0.25), session
+        assert spec["traffic"]["round_trips"] >= 1
+
+
+def test_eager_sync_changes_traffic_not_tokens(all_policies, cloud_info):
+    """Eager sync changes when the cloud reads the device's tokens, not what it writes (up to a
+    near-tie its kernels may break either way, as above)."""
+    out, _ = all_policies
+    for session, by in _rows(out).items():
+        sync, nosync = by["router-sync"][0], by["router-sync:nosync"][0]
+        assert agree_up_to_a_tie(cloud_info, _messages(sync), sync["tokens"], nosync["tokens"], TIE_NATS + 0.25), (
+            session
+        )
+        assert sync["traffic"]["bytes_up"] != nosync["traffic"]["bytes_up"] or sync["tokens"] != nosync["tokens"]
 
 
 def test_router_verify_with_one_model_equals_edge_and_resumes(tmp_path):
@@ -82,8 +130,24 @@ def test_router_verify_with_one_model_equals_edge_and_resumes(tmp_path):
 
     Run twice: --limit 2 then --limit 3 on the same --out resumes (the first two sessions are kept, not redone).
     """
-    args = ["--profile", "lan", "--policies", "edge,router-verify", "--edge-model", "smollm2-135m-q4_1", "--cloud-model", "smollm2-135m-q4_1",
-            "--threshold", "0", "--out", str(tmp_path), "--no-progress", "--no-plots", "--max-tokens", "24"]
+    args = [
+        "--profile",
+        "lan",
+        "--policies",
+        "edge,router-verify",
+        "--edge-model",
+        "smollm2-135m-q4_1",
+        "--cloud-model",
+        "smollm2-135m-q4_1",
+        "--threshold",
+        "0",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--no-plots",
+        "--max-tokens",
+        "24",
+    ]
     assert main([*args, "--limit", "2"]) == 0
     first = (tmp_path / "results.jsonl").read_text().splitlines()
     assert main([*args, "--limit", "3"]) == 0
@@ -109,36 +173,70 @@ def test_audio_mode_measures_end_of_speech_to_first_audio(tmp_path, capsys):
     why = voice_unavailable()
     if why is not None:
         pytest.skip(why)
-    assert main(["--audio", "--profile", "lan", "--policies", "edge", "--limit", "1", "--out", str(tmp_path), "--no-progress", "--no-plots",
-                 "--max-tokens", "16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--audio",
+                "--profile",
+                "lan",
+                "--policies",
+                "edge",
+                "--limit",
+                "1",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+                "--no-plots",
+                "--max-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     row = next(iter(_rows(tmp_path).values()))["edge"][0]
     assert row["transcript"] and row["tokens"]
     assert row["eos_to_first_audio_ms"] is not None and row["eos_to_first_audio_ms"] > 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["policies"]["edge"]["eos_to_first_audio_ms_p50"] == pytest.approx(row["eos_to_first_audio_ms"], abs=0.01)
+    assert report["policies"]["edge"]["eos_to_first_audio_ms_p50"] == pytest.approx(
+        row["eos_to_first_audio_ms"], abs=0.01
+    )
 
 
 def test_router_auto_finds_the_router_shipped_for_the_pair(edge_info):
     """`--router auto` must load the learned router shipped for (edge model, cloud model) in every
     router policy, not fall back to the entropy heuristic (it did while the cloud model was not
-    passed down), and `router-lookahead` runs the generator with lookahead on."""
-    from edge_client.replay.policies import GeneratorRunner, PolicySpec, RouterOptions
-    from edge_client.replay.driver import ReplayDriver
+    passed down), and each policy runs the generator with the options it measures."""
+    from edge_client.replay.policies import PolicySpec, Runner, replay_defaults
     from models.registry import DEFAULT_CLOUD_MODEL
     from shared.learned_router import LearnedRouter
     from shared.llama_backend import LlamaModel
 
     edge = LlamaModel(edge_info)
-    opts = RouterOptions(router="auto", cloud_model=DEFAULT_CLOUD_MODEL)
-    runners = [GeneratorRunner(PolicySpec(k, k), edge, None, opts) for k in ("router-sync", "router-lookahead")]
-    driver = ReplayDriver(PolicySpec("router-span", "router-span"), edge, None, opts)
+    opts = replay_defaults(router="auto", cloud_model=DEFAULT_CLOUD_MODEL)
+    kinds = (
+        "router-sync",
+        "router-lookahead",
+        "router-span",
+        "router-verify",
+        "router-check-after-first-clause",
+        "speculative",
+    )
+    runners = [Runner(PolicySpec(k, k), edge, None, opts) for k in kinds]
     try:
         assert all(isinstance(r.gen.router, LearnedRouter) for r in runners)
-        assert isinstance(driver.router, LearnedRouter)
-        assert [r.gen.lookahead for r in runners] == [False, True]
+        assert [r.gen.opts.lookahead for r in runners] == [False, True, False, False, True, False]
+        assert [r.gen.opts.strategy for r in runners] == [
+            "per-token",
+            "per-token",
+            "span",
+            "verify",
+            "per-token",
+            "speculative",
+        ]
+        assert [r.gen.opts.check for r in runners] == ["off", "off", "off", "off", "after-first-clause", "off"]
     finally:
         for r in runners:
-            r.gen.close()
-        driver.close()
+            r.close()
         edge.close()

@@ -27,9 +27,21 @@ def test_first_clause_index():
 def _row(policy, emit, routes, compute_ms=0.0, nll=1.0):
     n = len(emit)
     return {
-        "policy": policy, "tokens": list(range(n)), "routes": routes, "pieces": ["a"] * (n - 1) + ["."],
-        "emit_ms": emit, "total_ms": emit[-1] + 1.0, "cloud_nll": nll, "rouge_l_vs_cloud": 0.5,
-        "traffic": {"bytes_up": 100, "bytes_down": 50, "round_trips": 2, "cloud_compute_ms": compute_ms, "wait_ms": 10.0},
+        "policy": policy,
+        "tokens": list(range(n)),
+        "routes": routes,
+        "pieces": ["a"] * (n - 1) + ["."],
+        "emit_ms": emit,
+        "total_ms": emit[-1] + 1.0,
+        "cloud_nll": nll,
+        "rouge_l_vs_cloud": 0.5,
+        "traffic": {
+            "bytes_up": 100,
+            "bytes_down": 50,
+            "round_trips": 2,
+            "cloud_compute_ms": compute_ms,
+            "wait_ms": 10.0,
+        },
     }
 
 
@@ -63,7 +75,9 @@ def test_sessions(tmp_path):
     assert [s.id for s in a] == [s.id for s in load_sessions("clinc150", "val", limit=3, seed=0)]  # deterministic
     assert len(a) == 3 and a[0].turns[0].text
     f = tmp_path / "s.jsonl"
-    f.write_text('{"id": "x", "turns": ["hi", {"text": "switch to light mode"}]}\n{"turns": [{"wav": "a.wav"}], "light_mode": true}\n')
+    f.write_text(
+        '{"id": "x", "turns": ["hi", {"text": "switch to light mode"}]}\n{"turns": [{"wav": "a.wav"}], "light_mode": true}\n'
+    )
     s = jsonl_sessions(f)
     assert s[0].wants_light_mode and s[1].light_mode and s[1].turns[0].wav == str(tmp_path / "a.wav")
     f.write_text('{"turns": []}\n')

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from edge_client.generator import RoutedGenerator
+from shared.decision import ClauseEnds
 from shared.llama_backend import LlamaModel
 from shared.policy import replay_decisions
-from shared.router import RandomRouter
+from shared.router import HeuristicRouter, RandomRouter
 from tests.conftest import QUESTIONS, chat
-from tests.helpers import make_generator, reference_greedy, teacher_forced_logits, is_greedy_choice
+from tests.helpers import first_difference, is_greedy_choice, make_generator, reference_greedy, teacher_forced_logits
 
 MAX_TOKENS = 40
 
@@ -109,7 +110,9 @@ def test_router_routes_exactly_the_tokens_over_threshold(edge_model, cloud_serve
 
 
 @pytest.mark.parametrize("nats", [0.0, 1.0])
-def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(edge_model, edge_info, cloud_info, cloud_server, nats):
+def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(
+    edge_model, edge_info, cloud_info, cloud_server, nats
+):
     """With lookahead, the position right after each round-trip cloud token is decided by the
     cloud's guess, not the router: the device keeps its own token where the cloud finds it at
     most `nats` less likely than the guess, and takes the guess (no round trip) elsewhere.
@@ -117,8 +120,9 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(edge_model, 
     alone over the answer (teacher forcing), with a small tolerance for llama.cpp's
     batch-dependent rounding."""
     threshold, tol = 0.3, 0.15
-    gen = make_generator(edge_model, cloud_server, threshold=threshold)
-    gen.lookahead, gen.lookahead_nats, gen.lookahead_wait_s = True, nats, 5.0  # a guess is never late here
+    gen = make_generator(
+        edge_model, cloud_server, threshold=threshold, lookahead=True, lookahead_nats=nats, lookahead_wait_s=5.0
+    )  # a guess is never late here
     try:
         taken = kept = 0
         for q in QUESTIONS:
@@ -127,7 +131,9 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(edge_model, 
             guessed_at = set(a.lookahead_positions)
             expected = {i for i in range(1, a.n_tokens) if a.routes[i - 1] == "cloud" and i - 1 not in guessed_at}
             assert guessed_at == expected, "a guess comes exactly after each round-trip cloud token"
-            assert guessed_at == {i for i, s in enumerate(a.scores) if s is None}, "the router is not asked where a guess decides"
+            assert guessed_at == {i for i, s in enumerate(a.scores) if s is None}, (
+                "the router is not asked where a guess decides"
+            )
             cloud = teacher_forced_logits(cloud_info, chat(q), a.tokens)
             edge = teacher_forced_logits(edge_info, chat(q), a.tokens)
             for i, (token, route, score) in enumerate(zip(a.tokens, a.routes, a.scores)):
@@ -142,7 +148,9 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(edge_model, 
                     kept += 1
                 else:  # taken: the device's own choice (one of its near-greedy tokens) was worse to the cloud
                     own = [int(e) for e in np.nonzero(edge[i] >= edge[i].max() - 0.25)[0] if e != token]
-                    assert any(logp[token] - logp[e] > nats - tol for e in own), f"position {i}: guess taken without cause"
+                    assert any(logp[token] - logp[e] > nats - tol for e in own), (
+                        f"position {i}: guess taken without cause"
+                    )
                     taken += 1
             guessed_cloud = sum(1 for i in guessed_at if a.routes[i] == "cloud")
             assert a.lookahead_tokens == guessed_cloud
@@ -157,8 +165,7 @@ def test_a_late_guess_is_ignored_and_skipped(edge_model, cloud_server):
     position to the router; the `next` message arriving later is skipped by the following
     requests, so nothing is lost or misread: every token goes through the router as without
     lookahead, one round trip per cloud token, on a session that stays healthy."""
-    gen = make_generator(edge_model, cloud_server, threshold=0.3)
-    gen.lookahead, gen.lookahead_wait_s = True, 0.0
+    gen = make_generator(edge_model, cloud_server, threshold=0.3, lookahead=True, lookahead_wait_s=0.0)
     try:
         for q in QUESTIONS:
             a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
@@ -173,9 +180,7 @@ def test_a_late_guess_is_ignored_and_skipped(edge_model, cloud_server):
 def _segments(edge: LlamaModel, tokens: list[int], longest: int) -> int:
     """How many drafts the check cuts an answer into: one token past each clause end, at the end
     of generation, or after `longest`."""
-    from edge_client.decoder import ClauseEnds
-
-    ends, n, run, after_end = ClauseEnds(edge), 0, 0, False
+    ends, n, run, after_end = ClauseEnds(edge.token_bytes, edge.is_eog), 0, 0, False
     for i, t in enumerate(tokens):
         run += 1
         if after_end or edge.is_eog(t) or run == longest or i == len(tokens) - 1:
@@ -190,8 +195,7 @@ def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_mod
     so the answer is the device's own token for token, nothing is overruled, flagged drafts count
     as the cloud's (it chose the same token), and each clause costs exactly one verify."""
     edge_only = make_generator(edge_model, None, mode="edge")
-    gen = make_generator(edge_model, same_model_server, threshold=0.5)
-    gen.check = "all"
+    gen = make_generator(edge_model, same_model_server, threshold=0.5, check="all")
     try:
         for q in QUESTIONS:
             expected = edge_only.generate(chat(q), max_tokens=MAX_TOKENS)
@@ -199,7 +203,52 @@ def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_mod
             assert a.tokens == expected.tokens, q
             assert not a.degraded and a.overruled_positions == [] and a.lookahead_positions == []
             assert [s >= 0.5 for s in a.scores] == [r == "cloud" for r in a.routes]
-            assert a.round_trips == _segments(edge_model, a.tokens, gen.check_max_draft), q
+            assert a.round_trips == _segments(edge_model, a.tokens, gen.opts.check_max_draft), q
+    finally:
+        gen.close()
+        edge_only.close()
+
+
+LONG_QUESTIONS = [
+    "explain how vaccines work",
+    "tell me a fun fact about octopuses",
+    "what should i pack for a beach holiday",
+    "how do i reset my wifi router",
+]
+
+
+@pytest.mark.parametrize("check, threshold", [("off", 0.0), ("all", 0.5), ("after-first-clause", 0.5)])
+def test_same_model_on_both_sides_changes_nothing_on_long_answers(edge_model, same_model_server, check, threshold):
+    """Same GGUF on both sides, greedy, long answers (hundreds of positions, where llama.cpp's
+    batched kernels on the cloud and one-token kernels on the device disagree at near-ties
+    several times): every route (every position asked with threshold 0, lookahead guesses, the
+    cloud's check) must leave the device's answer unchanged, because a token within TIE_NATS of
+    the cloud's best is the cloud's own choice (shared/decision.py). Without the tie rule this
+    fails on an AMD EPYC VM (scripts/measure_kernel_ties.py: 15 argmax flips in 458 positions)."""
+    edge_only = make_generator(edge_model, None, mode="edge")
+    gen = make_generator(
+        edge_model,
+        same_model_server,
+        threshold=threshold,
+        check=check,
+        lookahead=True,
+        lookahead_wait_s=5.0,
+        timeout_s=10.0,
+    )
+    try:
+        n = 0
+        for q in LONG_QUESTIONS:
+            expected = edge_only.generate(chat(q), max_tokens=96)
+            a = gen.generate(chat(q), max_tokens=96)
+            assert not a.degraded
+            assert a.tokens == expected.tokens, (
+                f"{q!r}: first difference at {first_difference(a.tokens, expected.tokens)}"
+            )
+            assert a.overruled_positions == [], "one model never overrules itself"
+            n += a.n_tokens
+            if check == "off":
+                assert a.n_cloud_tokens == a.n_tokens - len(a.lookahead_positions), "every position asked or guessed"
+        assert n >= 200, "long answers"
     finally:
         gen.close()
         edge_only.close()
@@ -207,11 +256,9 @@ def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_mod
 
 def _check_start(edge: LlamaModel, tokens: list[int], mode: str) -> int:
     """The first answer index the check covers: 0, or two past the first clause's end."""
-    from edge_client.decoder import ClauseEnds
-
     if mode == "all":
         return 0
-    ends = ClauseEnds(edge)
+    ends = ClauseEnds(edge.token_bytes, edge.is_eog)
     return next((i + 2 for i, t in enumerate(tokens) if ends(t)), len(tokens))
 
 
@@ -226,8 +273,16 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
     "after-first-clause" the first clause and one token more follow the per-token rules
     (router and lookahead guesses, released at once), and the check takes over after them."""
     nats, tol, threshold = 1.0, 0.15, 0.6
-    gen = make_generator(edge_model, cloud_server, threshold=threshold, timeout_s=10.0)
-    gen.check, gen.check_nats, gen.lookahead, gen.lookahead_wait_s = mode, nats, True, 5.0
+    gen = make_generator(
+        edge_model,
+        cloud_server,
+        threshold=threshold,
+        timeout_s=10.0,
+        check=mode,
+        check_nats=nats,
+        lookahead=True,
+        lookahead_wait_s=5.0,
+    )
     try:
         kept_lenient = overruled = flagged = 0
         for q in QUESTIONS:
@@ -252,7 +307,9 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
                 assert is_greedy_choice(cloud[i], token), f"{q!r} position {i}: not the cloud's own token"
                 if i in a.overruled_positions:
                     assert score < threshold
-                    assert logp.max() - logp[int(np.argmax(own[i]))] > nats - tol, f"{q!r} position {i}: overruled without cause"
+                    assert logp.max() - logp[int(np.argmax(own[i]))] > nats - tol, (
+                        f"{q!r} position {i}: overruled without cause"
+                    )
                     overruled += 1
                 else:
                     assert score >= threshold
@@ -260,7 +317,7 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
             assert (mode == "after-first-clause" or a.round_trips >= 1) and a.round_trips <= a.n_tokens
         assert overruled > 0 and kept_lenient > 0, "the default pair is overruled and kept within the tolerance"
         assert flagged > 0 or mode != "all", "and some drafts are flagged"
-        assert 0 < gen.overruled_share < 1, "the running overruled share the router's calibration subtracts"
+        assert 0 < gen.overruled.share < 1, "the running overruled share the router's calibration subtracts"
     finally:
         gen.close()
 
@@ -272,8 +329,7 @@ def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_s
     from shared.routing_log import read
 
     edge_only = make_generator(edge_model, None, mode="edge")
-    gen = make_generator(edge_model, cloud_server, threshold=0.5, timeout_s=0.0)
-    gen.check = "all"
+    gen = make_generator(edge_model, cloud_server, threshold=0.5, timeout_s=0.0, check="all")
     try:
         expected = edge_only.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
         a = gen.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
@@ -286,16 +342,11 @@ def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_s
 
 
 def test_check_refuses_settings_it_cannot_use(edge_model):
-    from shared.policy import PolicyConfig, RoutingPolicy
-    from shared.protocol import SamplingParams
-    from shared.router import HeuristicRouter
-
     for nats in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="check_nats"):
-            RoutedGenerator(edge_model, HeuristicRouter("entropy", edge_model.n_vocab), RoutingPolicy(PolicyConfig("router")), SamplingParams(),
-                            check="all", check_nats=nats)
+            make_generator(edge_model, None, check="all", check_nats=nats)
     with pytest.raises(ValueError, match="check must be one of"):
-        RoutedGenerator(edge_model, HeuristicRouter("entropy", edge_model.n_vocab), RoutingPolicy(PolicyConfig("router")), SamplingParams(), check="yes")
+        make_generator(edge_model, None, check="yes")
 
 
 def test_guess_regret_reads_the_clouds_top_list():
@@ -310,15 +361,22 @@ def test_guess_regret_reads_the_clouds_top_list():
 def test_cloud_fraction_target_is_approached(edge_model, cloud_server):
     from shared.policy import PolicyConfig, RoutingPolicy
 
-    gen = make_generator(edge_model, cloud_server)
-    gen.policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=gen.router.threshold_for)
+    router = HeuristicRouter("entropy", edge_model.n_vocab)
+    gen = make_generator(
+        edge_model,
+        cloud_server,
+        router=router,
+        policy=RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=router.threshold_for),
+    )
     try:
         n = c = 0
         for q in QUESTIONS * 2:
             a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
             n, c = n + a.n_tokens, c + a.n_cloud_tokens
             assert a.n_cloud_tokens > 0, "calibrated from the first answer on (the router's prior)"
-        assert 0.18 <= c / n <= 0.42, f"cloud fraction {c / n:.2f} far from the 0.30 target"
+        assert 0.14 <= c / n <= 0.46, (
+            f"cloud fraction {c / n:.2f} far from the 0.30 target (6 short answers: a loose band)"
+        )
     finally:
         gen.close()
 
@@ -328,26 +386,32 @@ def test_cloud_fraction_counts_the_checks_overrules(edge_model, cloud_server):
     to what they leave of the target, so the total stays near it, not target + overrules."""
     from shared.policy import PolicyConfig, RoutingPolicy
 
-    gen = make_generator(edge_model, cloud_server, timeout_s=10.0)
-    gen.policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=gen.router.threshold_for)
-    gen.check = "all"
+    router = HeuristicRouter("entropy", edge_model.n_vocab)
+    gen = make_generator(
+        edge_model,
+        cloud_server,
+        timeout_s=10.0,
+        router=router,
+        check="all",
+        policy=RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=router.threshold_for),
+    )
     try:
         n = c = over = 0
         for q in QUESTIONS * 2:
             a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
             n, c, over = n + a.n_tokens, c + a.n_cloud_tokens, over + len(a.overruled_positions)
         assert over > 0 and gen.policy.calibrator.target < 0.3
-        assert 0.18 <= c / n <= 0.42, f"cloud fraction {c / n:.2f} far from the 0.30 target"
+        assert 0.14 <= c / n <= 0.46, (
+            f"cloud fraction {c / n:.2f} far from the 0.30 target (6 short answers: a loose band)"
+        )
     finally:
         gen.close()
 
 
 def test_seeded_sampling_is_reproducible(edge_model, cloud_server):
-    from shared.protocol import SamplingParams
 
     def run(seed: int) -> list[int]:
-        gen = make_generator(edge_model, cloud_server, threshold=0.7)
-        gen.sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
+        gen = make_generator(edge_model, cloud_server, threshold=0.7, temperature=0.9, top_p=0.95, seed=seed)
         try:
             a = gen.generate(chat("tell me a joke"), max_tokens=24)
             assert not a.degraded
@@ -364,8 +428,10 @@ def test_slow_cloud_positions_fall_back_without_losing_the_session(edge_model, s
     """Hard tokens that time out are written by the device; the abandoned requests are rolled
     back on the cloud, so later hard tokens still land in a history identical to the device's."""
     edge_only = make_generator(edge_model, None, mode="edge")
-    gen = make_generator(edge_model, same_model_server, threshold=0.0, timeout_s=0.0)  # no wait at all: every answer is late
-    gen.max_consecutive_timeouts = 100
+    gen = make_generator(
+        edge_model, same_model_server, threshold=0.0, timeout_s=0.0
+    )  # no wait at all: every answer is late
+    gen.cloud.max_consecutive_timeouts = 100
 
     def heal(ev) -> None:
         if ev.index == 3 and gen.link is not None:
@@ -406,7 +472,9 @@ def test_prefill_ahead_of_time_is_exact_and_reaches_the_cloud(edge_model, same_m
             assert gen.prefill(partial) > 0
             assert gen.prefill(partial) == 0, "already cached: nothing to decode"
             if gen is routed:
-                assert gen.link is not None and gen.link.cloud_len == len(gen.decoder.history), "the cloud holds the prefix too"
+                assert gen.link is not None and gen.link.cloud_len == len(gen.decoder.history), (
+                    "the cloud holds the prefix too"
+                )
             else:
                 gen.decoder.set_history(prompt)
                 logits = gen.decoder.next_distribution()[0]
@@ -442,9 +510,11 @@ def test_complete_prefill_lets_the_answer_start_without_a_decode(edge_model, sam
         ctx = routed.decoder.ctx
         for name in ("decode", "decode_one"):
             real = getattr(ctx, name)
+
             def counted(*a, _real=real, **k):  # noqa: ANN001, ANN202
                 calls["edge_decodes"] += 1
                 return _real(*a, **k)
+
             setattr(ctx, name, counted)
         stats = routed.link.stats
         model_ms0 = stats.cloud_compute_ms - stats.background_ms
@@ -452,7 +522,11 @@ def test_complete_prefill_lets_the_answer_start_without_a_decode(edge_model, sam
 
         def on_token(ev) -> None:  # noqa: ANN001
             if not first:
-                first.update(edge_decodes=calls["edge_decodes"], cloud_model_ms=stats.cloud_compute_ms - stats.background_ms - model_ms0, route=ev.route)
+                first.update(
+                    edge_decodes=calls["edge_decodes"],
+                    cloud_model_ms=stats.cloud_compute_ms - stats.background_ms - model_ms0,
+                    route=ev.route,
+                )
 
         a = routed.generate(question, max_tokens=MAX_TOKENS, on_token=on_token)
         assert first == {"edge_decodes": 0, "cloud_model_ms": 0.0, "route": "cloud"}, first

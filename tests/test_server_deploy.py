@@ -54,7 +54,7 @@ class Renderer:
             return dot
         if path.startswith(".Values."):
             v: object = self.values
-            for part in path[len(".Values."):].split("."):
+            for part in path[len(".Values.") :].split("."):
                 v = v[part]  # type: ignore[index]
             return v
         return {".Release.Name": self.release, ".Chart.Name": self.chart["name"]}[path]
@@ -164,8 +164,12 @@ def test_chart_renders_deployment_service_hpa_and_secret():
 
 
 def test_chart_options_switch_parts_on_and_off():
-    docs = render_chart(autoscaling__enabled=False, apiKeys__existingSecret="my-keys",
-                        server__remoteUrl="http://vllm:8000/v1", server__remoteModel="meta-llama/Llama-3.1-70B-Instruct")
+    docs = render_chart(
+        autoscaling__enabled=False,
+        apiKeys__existingSecret="my-keys",
+        server__remoteUrl="http://vllm:8000/v1",
+        server__remoteModel="meta-llama/Llama-3.1-70B-Instruct",
+    )
     assert "HorizontalPodAutoscaler" not in docs and "Secret" not in docs
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     assert next(v for v in pod["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == "my-keys"
@@ -177,7 +181,12 @@ def test_chart_options_switch_parts_on_and_off():
 def test_helm_lint_and_template():
     subprocess.run(["helm", "lint", str(CHART)], check=True)
     out = subprocess.run(["helm", "template", "prod", str(CHART)], check=True, capture_output=True, text=True).stdout
-    assert {d["kind"] for d in yaml.safe_load_all(out) if d} >= {"Deployment", "Service", "HorizontalPodAutoscaler", "Secret"}
+    assert {d["kind"] for d in yaml.safe_load_all(out) if d} >= {
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "Secret",
+    }
 
 
 # --------------------------------------------------------------------------- Docker

@@ -20,7 +20,20 @@ from cloud_server.local import LocalCloudServer
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared import routing_log
 from shared.llama_backend import LlamaModel
-from shared.protocol import PROTOCOL_VERSION, Accept, Close, Error, Generate, Hello, Reject, Rollback, Sync, Tokens, decode, encode
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    Accept,
+    Close,
+    Error,
+    Generate,
+    Hello,
+    Reject,
+    Rollback,
+    Sync,
+    Tokens,
+    decode,
+    encode,
+)
 from tests.conftest import chat
 from tests.helpers import make_generator
 
@@ -33,14 +46,22 @@ def get(url: str) -> str:
 
 
 def hello(key: str, info, question: str = "say hi") -> Hello:
-    return Hello(version=PROTOCOL_VERSION, api_key=key, edge_model=info.fingerprint, tokenizer=info.tokenizer_fingerprint, messages=chat(question))
+    return Hello(
+        version=PROTOCOL_VERSION,
+        api_key=key,
+        edge_model=info.fingerprint,
+        tokenizer=info.tokenizer_fingerprint,
+        messages=chat(question),
+    )
 
 
 class Client:
     """A bare protocol client: frames in, frames out, no routing logic."""
 
     def __init__(self, server: LocalCloudServer, **kw) -> None:
-        self.ws = connect(server.url, open_timeout=10, compression=None, **kw).__enter__()  # closed by close() or the test
+        self.ws = connect(
+            server.url, open_timeout=10, compression=None, **kw
+        ).__enter__()  # closed by close() or the test
 
     def send(self, msg) -> None:
         self.ws.send(encode(msg))
@@ -82,8 +103,20 @@ def prod_server(tmp_path_factory, audit_dir):
         f"{ALICE} name=alice max_sessions=1 tokens_per_minute=5\n"
         f"{BOB} name=bob max_cloud_fraction=0.25\n"
     )
-    args = ["--api-keys", str(keys), "--audit-dir", str(audit_dir), "--idle-timeout-s", "3", "--max-messages-per-s", "40",
-            "--abuse-warmup-tokens", "4", "--n-ctx", "4096"]
+    args = [
+        "--api-keys",
+        str(keys),
+        "--audit-dir",
+        str(audit_dir),
+        "--idle-timeout-s",
+        "3",
+        "--max-messages-per-s",
+        "40",
+        "--abuse-warmup-tokens",
+        "4",
+        "--n-ctx",
+        "4096",
+    ]
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
         yield server
 
@@ -146,7 +179,9 @@ def test_abuse_check_throttles_and_flags_a_session_and_its_audit_log_is_kept(pro
             break
         written.append(reply.ids[0])
         pos += 1
-    assert refused is not None and refused.code == "busy" and "throttled" in refused.message and "25%" in refused.message
+    assert (
+        refused is not None and refused.code == "busy" and "throttled" in refused.message and "25%" in refused.message
+    )
     # the device writes tokens itself: the fraction falls under the cap and hard tokens are served again
     device = [504, 3575, 282, 4649, 314, 7042, 30, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575] * 2
     c.send(Sync(position=pos, tokens=device))
@@ -163,7 +198,11 @@ def test_abuse_check_throttles_and_flags_a_session_and_its_audit_log_is_kept(pro
     flagged = [e for e in index if e["key"] == "bob" and e["flagged"]]
     assert flagged, index
     entry = flagged[-1]
-    logged = list(routing_log.read((audit_dir / next(audit_dir.glob("*/" + entry["file"])).parent.name / entry["file"]).read_bytes()))
+    logged = list(
+        routing_log.read(
+            (audit_dir / next(audit_dir.glob("*/" + entry["file"])).parent.name / entry["file"]).read_bytes()
+        )
+    )
     writers = [t.writer for t in logged]
     assert writers == ["cloud"] * len(written) + ["edge"] * len(device) + ["cloud"]
     assert logged[0].position == acc.n_prompt and entry["cloud_tokens"] == len(written) + 1
@@ -228,9 +267,13 @@ def test_metrics_expose_sessions_tokens_batches_kv_and_rejections(prod_server):
         'tokenrouter_protocol_errors_total{code="busy"}',
     ]:
         assert name in text, f"{name!r} missing from /metrics"
-    hard = float(next(line.split()[1] for line in text.splitlines() if line.startswith("tokenrouter_hard_tokens_total ")))
+    hard = float(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("tokenrouter_hard_tokens_total "))
+    )
     assert hard >= 5
-    budget = float(next(line.split()[1] for line in text.splitlines() if line.startswith("tokenrouter_kv_budget_bytes ")))
+    budget = float(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("tokenrouter_kv_budget_bytes "))
+    )
     assert budget == 4096 * 23040, "SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K,V x f16 = 23040 bytes per cell"
 
 
@@ -254,11 +297,18 @@ def test_slow_reader_gets_backpressure_not_unbounded_buffering(cloud_info):
         c = Client(server, sock=sock, max_queue=4)
         acc = c.open(server.api_key, cloud_info)
         n = 650  # the stall comes after ~510 tokens (uvicorn's 64 KiB write buffer + the socket buffers)
-        sender = threading.Thread(target=lambda: [c.send(Generate(request_id=i + 1, position=acc.n_prompt + i, tokens=[])) for i in range(n)], daemon=True)
+        sender = threading.Thread(
+            target=lambda: [c.send(Generate(request_id=i + 1, position=acc.n_prompt + i, tokens=[])) for i in range(n)],
+            daemon=True,
+        )
         sender.start()
 
         def served() -> float:
-            line = next(ln for ln in get(server.http_url + "/metrics").splitlines() if ln.startswith("tokenrouter_hard_tokens_total "))
+            line = next(
+                ln
+                for ln in get(server.http_url + "/metrics").splitlines()
+                if ln.startswith("tokenrouter_hard_tokens_total ")
+            )
             return float(line.split()[1])
 
         assert wait_for(lambda: served() > 50, timeout=30)
@@ -301,13 +351,13 @@ def test_server_restart_mid_answer_rebuilds_the_session_and_the_answer_is_unchan
     q = chat("tell me about the moon")
     try:
         gen = make_generator(edge, server, threshold=0.0, timeout_s=5.0)
-        gen.reconnect_mid_answer = 1
+        gen.cloud.reconnect_mid_answer = 1
         undisturbed = gen.generate(q, max_tokens=20)
         gen.close()
         assert not undisturbed.degraded and undisturbed.n_cloud_tokens == undisturbed.n_tokens
 
         gen = make_generator(edge, server, threshold=0.0, timeout_s=5.0)
-        gen.reconnect_mid_answer = 1
+        gen.cloud.reconnect_mid_answer = 1
         restarted = threading.Event()
 
         def restart_after_five(ev) -> None:
@@ -315,7 +365,9 @@ def test_server_restart_mid_answer_rebuilds_the_session_and_the_answer_is_unchan
                 restarted.set()
                 old = holder["server"]
                 old.kill()
-                holder["server"] = LocalCloudServer(model=DEFAULT_CLOUD_MODEL, api_key=old.api_key, port=old.port).start()
+                holder["server"] = LocalCloudServer(
+                    model=DEFAULT_CLOUD_MODEL, api_key=old.api_key, port=old.port
+                ).start()
 
         disturbed = gen.generate(q, max_tokens=20, on_token=restart_after_five)
         gen.close()

@@ -1,4 +1,5 @@
-"""Small parts of the production server on their own: key files, quotas, the abuse check, audit sampling and retention, TLS."""
+"""Small parts of the production server on their own: key files, quotas, the abuse check, audit sampling and
+retention, TLS, the sampler's numerical guard."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import numpy as np
 import pytest
 from websockets.sync.client import connect
 
@@ -20,15 +22,18 @@ from cloud_server.local import LocalCloudServer
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, Quotas, SessionGuard
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared import routing_log
-from shared.protocol import PROTOCOL_VERSION, Accept, Hello, decode, encode
+from shared.protocol import PROTOCOL_VERSION, Accept, Hello, SamplingParams, decode, encode
+from shared.sampling import Sampler, SamplingError
 from tests.conftest import chat
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_key_file_options_digests_and_clear_errors():
-    keys = KeyChecker([f"{digest('alpha')} name=a max_sessions=2 tokens_per_minute=60 max_cloud_fraction=0.4", "beta"],
-                      default=KeyPolicy(max_sessions=9))
+    keys = KeyChecker(
+        [f"{digest('alpha')} name=a max_sessions=2 tokens_per_minute=60 max_cloud_fraction=0.4", "beta"],
+        default=KeyPolicy(max_sessions=9),
+    )
     a = keys.identify("alpha")
     assert a == KeyPolicy(name="a", max_sessions=2, tokens_per_minute=60, max_cloud_fraction=0.4)
     b = keys.identify("beta")
@@ -39,7 +44,13 @@ def test_key_file_options_digests_and_clear_errors():
     with pytest.raises(ValueError, match="no API keys configured"):
         KeyChecker([])
     assert KeyChecker([], insecure=True).identify("anything").name == "anonymous"
-    out = subprocess.run([sys.executable, "-m", "cloud_server.cli", "hash-key", "alpha"], capture_output=True, text=True, cwd=ROOT, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "cloud_server.cli", "hash-key", "alpha"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     assert out.stdout.strip() == digest("alpha")
 
 
@@ -86,7 +97,11 @@ def test_audit_sampling_retention_and_rollbacks(tmp_path):
     path = log.finish(a, "edge-fp")
     assert path is not None
     logged = list(routing_log.read(path.read_bytes()))
-    assert [(t.position, t.writer, t.model) for t in logged] == [(10, "edge", "edge-fp"), (11, "edge", "edge-fp"), (12, "cloud", "cloud-fp")]
+    assert [(t.position, t.writer, t.model) for t in logged] == [
+        (10, "edge", "edge-fp"),
+        (11, "edge", "edge-fp"),
+        (12, "cloud", "cloud-fp"),
+    ]
     entry = json.loads((path.parent / "index.jsonl").read_text().splitlines()[-1])
     assert entry["flagged"] and entry["cloud_tokens"] == 1 and entry["key"] == "k"
     old = tmp_path / (datetime.now(timezone.utc) - timedelta(days=40)).strftime("%Y-%m-%d")
@@ -100,12 +115,64 @@ def test_audit_sampling_retention_and_rollbacks(tmp_path):
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_tls_through_uvicorn_options(tmp_path, cloud_info):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, env=dict(os.environ))
-    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]) as server:
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        env=dict(os.environ),
+    )
+    with LocalCloudServer(
+        model=DEFAULT_CLOUD_MODEL, extra_args=["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    ) as server:
         assert server.url.startswith("wss://")
         ctx = ssl.create_default_context(cafile=str(cert))
         with connect(server.url, ssl=ctx, open_timeout=10) as ws:
-            ws.send(encode(Hello(version=PROTOCOL_VERSION, api_key=server.api_key, edge_model=cloud_info.fingerprint,
-                                 tokenizer=cloud_info.tokenizer_fingerprint, messages=chat("hi"))))
+            ws.send(
+                encode(
+                    Hello(
+                        version=PROTOCOL_VERSION,
+                        api_key=server.api_key,
+                        edge_model=cloud_info.fingerprint,
+                        tokenizer=cloud_info.tokenizer_fingerprint,
+                        messages=chat("hi"),
+                    )
+                )
+            )
             assert isinstance(decode(ws.recv(timeout=10)), Accept)
+
+
+def test_sampling_refuses_non_finite_logits_and_probabilities_by_name():
+    """NaN or +inf logits, or a temperature so small that logits / T overflow, raise SamplingError
+    (a ValueError the server answers as bad_field), never an arbitrary token or numpy's own error."""
+    logits = np.linspace(-3.0, 5.0, 1000, dtype=np.float32)
+    greedy, hot = Sampler(SamplingParams()), Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1))
+    assert greedy.sample(logits) == 999 and 950 <= hot.sample(logits) <= 999
+    for bad in (np.nan, np.inf):
+        broken = logits.copy()
+        broken[10] = bad
+        for sampler in (greedy, hot):
+            with pytest.raises(SamplingError, match="not finite"):
+                sampler.sample(broken)
+    tiny = Sampler(SamplingParams(temperature=1e-308, top_k=50, top_p=1.0))
+    with pytest.raises(SamplingError, match="temperature"):
+        tiny.sample(logits)
+    masked = logits.copy()
+    masked[:500] = -np.inf  # masked tokens are fine: only the best must be finite
+    assert greedy.sample(masked) == 999 and 950 <= hot.sample(masked) <= 999

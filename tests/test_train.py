@@ -8,7 +8,6 @@ the shipped router's recorded figures against a re-labelling of its check prompt
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,8 @@ import pytest
 
 from edge_client.decoder import EdgeDecoder
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
-from models.train.cli import DEFAULT_ROUTER, main as train_main
+from models.train.cli import DEFAULT_ROUTER
+from models.train.cli import main as train_main
 from models.train.features import entropy_scores, targets
 from models.train.fit import FitOptions, fit
 from models.train.label import LabelOptions, is_divergent, label
@@ -24,24 +24,35 @@ from models.train.shards import ShardError, load_records
 from shared.learned_router import LearnedRouter, LogitFeaturizer, RouterFile, load_router
 from shared.llama_backend import LlamaModel
 from shared.router import HeuristicRouter
-
 from tests.conftest import SYSTEM
 from tests.helpers import reference_greedy
 
-PROMPTS = ["what is the capital of france", "set a timer for ten minutes", "how do you say hello in japanese", "tell me a joke"]
+PROMPTS = [
+    "what is the capital of france",
+    "set a timer for ten minutes",
+    "how do you say hello in japanese",
+    "tell me a joke",
+]
 
 
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
     out = tmp_path_factory.mktemp("labels")
-    label(PROMPTS, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, out, max_tokens=14, prompts_per_shard=2, threads=1, progress=False))
+    label(
+        PROMPTS,
+        LabelOptions(
+            DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, out, max_tokens=14, prompts_per_shard=2, threads=1, progress=False
+        ),
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def router_file(labelled, tmp_path_factory):
     out = tmp_path_factory.mktemp("router") / "tiny.npz"
-    report = fit(FitOptions(train=[str(labelled)], out=out, label="mismatch", epochs=4, patience=4, hidden_units=16, buckets=64))
+    report = fit(
+        FitOptions(train=[str(labelled)], out=out, label="mismatch", epochs=4, patience=4, hidden_units=16, buckets=64)
+    )
     return out, report
 
 
@@ -50,13 +61,20 @@ def test_label_writes_consistent_resumable_shards(labelled):
     assert len(list(labelled.glob("*.npz"))) == 2
     assert rec["hidden"].shape == (len(rec), 576) and rec["hidden"].dtype == np.float16
     assert np.array_equal(rec["mismatch"].astype(bool), rec["proposed"] != rec["cloud_token"])
-    assert not np.any(rec["divergent"].astype(bool) & ~rec["mismatch"].astype(bool)), "divergent positions must be mismatches"
+    assert not np.any(rec["divergent"].astype(bool) & ~rec["mismatch"].astype(bool)), (
+        "divergent positions must be mismatches"
+    )
     assert np.all(rec["regret"][rec["mismatch"] == 1] >= 0), "the cloud token is its argmax, so regret >= 0"
     assert 0 < rec["mismatch"].mean() < 1
     assert sorted(set(rec["prompt_id"].tolist())) == [0, 1, 2, 3]
     # resumable: a second run keeps finished shards untouched
     mtimes = {p: p.stat().st_mtime_ns for p in labelled.glob("*.npz")}
-    label(PROMPTS, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, labelled, max_tokens=14, prompts_per_shard=2, progress=False))
+    label(
+        PROMPTS,
+        LabelOptions(
+            DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, labelled, max_tokens=14, prompts_per_shard=2, progress=False
+        ),
+    )
     assert mtimes == {p: p.stat().st_mtime_ns for p in labelled.glob("*.npz")}
 
 
@@ -93,7 +111,9 @@ def test_fit_router_loads_and_scores_on_device(router_file, edge_info):
         dec.close()
         model.close()
     assert all(0.0 <= s <= 1.0 for s in scores)
-    batch = router.score_batch(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), np.array([r[2] for r in rows]))
+    batch = router.score_batch(
+        np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), np.array([r[2] for r in rows])
+    )
     np.testing.assert_allclose(batch, scores, atol=1e-5)
     assert router.drift_report()["n_scores"] == 5
 
@@ -144,7 +164,22 @@ def test_fit_refuses_bad_input(labelled, tmp_path):
 def test_eval_json_object(router_file, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("what is the capital of france\n")
-    train_main(["eval", "--router", str(router_file[0]), "--prompts", str(prompts), "--max-tokens", "6", "--threads", "1", "--out", str(tmp_path / "ev"), "--json"])
+    train_main(
+        [
+            "eval",
+            "--router",
+            str(router_file[0]),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "ev"),
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert set(result["methods"]) == {"learned", "entropy", "random", "edge-only", "cloud-only"}
     for m in ("learned", "entropy", "random"):
@@ -153,7 +188,9 @@ def test_eval_json_object(router_file, tmp_path, capsys):
         assert set(pts[0]) >= {"cloud_fraction", "cloud_nll", "rouge_l", "token_agreement"}
     cloud = result["methods"]["cloud-only"][0]
     assert cloud["rouge_l"] == 1.0 and cloud["token_agreement"] == 1.0
-    assert cloud["cloud_nll"] <= result["methods"]["edge-only"][0]["cloud_nll"], "greedy cloud tokens are the cloud's likeliest"
+    assert cloud["cloud_nll"] <= result["methods"]["edge-only"][0]["cloud_nll"], (
+        "greedy cloud tokens are the cloud's likeliest"
+    )
     assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random"}
     assert (tmp_path / "ev.json").is_file() and (tmp_path / "ev.png").stat().st_size > 1000
 
@@ -172,12 +209,47 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
     shutil.copy(DEFAULT_ROUTER, copy)
     prompts = tmp_path / "p.txt"
     prompts.write_text("what is the capital of france\nset an alarm for seven\n")
-    train_main(["eval", "--router", str(DEFAULT_ROUTER), "--also", str(copy), "--prompts", str(prompts), "--max-tokens", "8", "--threads", "1",
-                "--lookahead", "learned", "--lookahead-nats", "0", "--verify", "random", "--verify-nats", "1", "--verify-from", "all", "--verify-from", "after-first-clause", "--out", str(tmp_path / "ev"), "--json"])
+    train_main(
+        [
+            "eval",
+            "--router",
+            str(DEFAULT_ROUTER),
+            "--also",
+            str(copy),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--lookahead",
+            "learned",
+            "--lookahead-nats",
+            "0",
+            "--verify",
+            "random",
+            "--verify-nats",
+            "1",
+            "--verify-from",
+            "all",
+            "--verify-from",
+            "after-first-clause",
+            "--out",
+            str(tmp_path / "ev"),
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["methods"]["learned:same-router"] == result["methods"]["learned"]
-    assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random", "learned:same-router", "learned+lookahead@0", "random+verify@1",
-                                                  "random+verify@1:after-first-clause"}
+    assert set(result["gap_recovered_at_30"]) == {
+        "learned",
+        "entropy",
+        "random",
+        "learned:same-router",
+        "learned+lookahead@0",
+        "random+verify@1",
+        "random+verify@1:after-first-clause",
+    }
     late = result["methods"]["random+verify@1:after-first-clause"]
     assert all(p["overruled_fraction"] + p["lookahead_fraction"] <= p["cloud_fraction"] for p in late)
     ver, plain = result["methods"]["random+verify@1"], result["methods"]["random"]
@@ -204,7 +276,18 @@ def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
     router = load_router(DEFAULT_ROUTER, edge_info)
     check = router.meta["check"]
     prompts = [c["prompt"] for c in check["prompts"]]
-    label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path, max_tokens=check["max_tokens"], prompts_per_shard=len(prompts), threads=1, progress=False))
+    label(
+        prompts,
+        LabelOptions(
+            DEFAULT_EDGE_MODEL,
+            DEFAULT_CLOUD_MODEL,
+            tmp_path,
+            max_tokens=check["max_tokens"],
+            prompts_per_shard=len(prompts),
+            threads=1,
+            progress=False,
+        ),
+    )
     rec = load_records([tmp_path])
     scores = router.score_batch(rec["hidden"], rec["logit_feats"], rec["proposed"])
     for k, c in enumerate(check["prompts"]):
@@ -213,7 +296,9 @@ def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
         assert abs(int(rec["mismatch"][sel].sum()) - c["n_mismatch"]) <= 1
         assert abs(float(scores[sel].mean()) - c["mean_score"]) < 0.01 + 1.0 / c["n_positions"]
     m = router.meta["metrics"]
-    assert m["auc_divergent"] > m["entropy_auc_divergent"], "the shipped router must rank divergent tokens better than entropy"
+    assert m["auc_divergent"] > m["entropy_auc_divergent"], (
+        "the shipped router must rank divergent tokens better than entropy"
+    )
 
 
 def test_soft_regret_label_and_regret_early_stopping(labelled, tmp_path):
@@ -232,7 +317,19 @@ def test_soft_regret_label_and_regret_early_stopping(labelled, tmp_path):
     regret = np.where(mismatch, r, 0.0)
     assert regret_captured(regret, rec) > regret_captured(-regret, rec)
     out = tmp_path / "soft.npz"
-    report = fit(FitOptions(train=[str(labelled)], out=out, label="soft-regret", regret_nats=2.0, early_stop="regret", epochs=3, patience=3, hidden_units=8, buckets=32))
+    report = fit(
+        FitOptions(
+            train=[str(labelled)],
+            out=out,
+            label="soft-regret",
+            regret_nats=2.0,
+            early_stop="regret",
+            epochs=3,
+            patience=3,
+            hidden_units=8,
+            buckets=32,
+        )
+    )
     assert report["metrics"]["label"] == "soft-regret" and load_router(out).meta["label"] == "soft-regret"
 
 
@@ -244,12 +341,26 @@ def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_pat
     prompts = PROMPTS[:2]
 
     def routed(fraction: float, sub: str, per: int = 2):
-        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path / sub, max_tokens=14, prompts_per_shard=per, threads=1,
-                                    progress=False, route_with=path, route_fractions=(fraction,)))
+        label(
+            prompts,
+            LabelOptions(
+                DEFAULT_EDGE_MODEL,
+                DEFAULT_CLOUD_MODEL,
+                tmp_path / sub,
+                max_tokens=14,
+                prompts_per_shard=per,
+                threads=1,
+                progress=False,
+                route_with=path,
+                route_fractions=(fraction,),
+            ),
+        )
         return load_records([tmp_path / sub])
 
     cloud_path = load_records([labelled])
-    cloud_path = {k: cloud_path[k][cloud_path["prompt_id"] < 2] for k in ("proposed", "cloud_token", "prompt_id", "regret")}
+    cloud_path = {
+        k: cloud_path[k][cloud_path["prompt_id"] < 2] for k in ("proposed", "cloud_token", "prompt_id", "regret")
+    }
     everything = routed(1.0, "all")
     assert everything.meta["path"] == "routed" and (everything["divergent"] == -1).all()
     for k in ("proposed", "cloud_token", "prompt_id"):
@@ -257,16 +368,42 @@ def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_pat
     np.testing.assert_allclose(everything["regret"], cloud_path["regret"], atol=1e-3)
 
     with pytest.raises(ValueError, match="labelled along other paths"):  # resuming must not mix two routers' paths
-        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path / "all", max_tokens=14, prompts_per_shard=2, progress=False,
-                                    route_with=DEFAULT_ROUTER))
+        label(
+            prompts,
+            LabelOptions(
+                DEFAULT_EDGE_MODEL,
+                DEFAULT_CLOUD_MODEL,
+                tmp_path / "all",
+                max_tokens=14,
+                prompts_per_shard=2,
+                progress=False,
+                route_with=DEFAULT_ROUTER,
+            ),
+        )
 
     nothing = routed(0.0, "none", per=1)  # one prompt per batch: the same decode layout as reference_greedy
     for k, q in enumerate(prompts):
         own = reference_greedy(edge_info, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], 14)
-        assert nothing["proposed"][nothing["prompt_id"] == k].tolist() == own, f"prompt {k}: the path must be the device's own answer"
-    assert nothing["mismatch"].sum() > 0 and not np.array_equal(nothing["cloud_token"], everything["cloud_token"][: len(nothing)])
+        assert nothing["proposed"][nothing["prompt_id"] == k].tolist() == own, (
+            f"prompt {k}: the path must be the device's own answer"
+        )
+    assert nothing["mismatch"].sum() > 0 and not np.array_equal(
+        nothing["cloud_token"], everything["cloud_token"][: len(nothing)]
+    )
     mixed = load_records([labelled, tmp_path / "none"])
-    assert len(np.unique(mixed["prompt_id"])) == len(PROMPTS) + len(prompts), "two labelling runs' prompts must stay apart"
-    report = fit(FitOptions(train=[str(labelled), str(tmp_path / "none")], out=tmp_path / "mixed.npz", label="regret", epochs=2, patience=2, hidden_units=8, buckets=32))
+    assert len(np.unique(mixed["prompt_id"])) == len(PROMPTS) + len(prompts), (
+        "two labelling runs' prompts must stay apart"
+    )
+    report = fit(
+        FitOptions(
+            train=[str(labelled), str(tmp_path / "none")],
+            out=tmp_path / "mixed.npz",
+            label="regret",
+            epochs=2,
+            patience=2,
+            hidden_units=8,
+            buckets=32,
+        )
+    )
     d = report["data"]
     assert d["train_positions"] + d["val_positions"] == len(load_records([labelled])) + len(nothing)

@@ -15,6 +15,7 @@ import pytest
 
 from voice_audio import heard_as, speech_span, spoken_wav, virtual_devices, wer
 
+from edge_client.options import DEFAULT_CHECK
 from edge_client.voice.audio_io import Microphone, Speaker
 from edge_client.voice.cli import run_file_turn
 from edge_client.voice.events import Interruption
@@ -29,7 +30,8 @@ STAGE_ORDER = ["speech_end", "asr_final", "llm_first_token", "first_clause_ready
 
 @pytest.fixture(scope="module")
 def engines():
-    from edge_client.generator import GeneratorOptions, open_generator
+    from edge_client.generator import open_generator
+    from edge_client.options import GeneratorOptions
 
     with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0)) as gen:
         yield Engines(gen)
@@ -58,21 +60,25 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["all", "after-first-clause"])
-def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch, mode):
+def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch, request, mode):
     """`--check` in the voice app: the cloud checks each clause before it is released (with
     "after-first-clause", each after the first), so what is spoken is the checked answer; the
     turn still completes its stages and is heard. The generator's clause check is spied on (the
     real method runs) to show the check ran."""
+    import edge_client.generator as generator
+
     gen = engines.gen
     checks: list[int] = []
-    real_check = gen._check_clause
+    real_check = generator._CHECK
 
-    def spy(*args, **kwargs):
-        checks.append(len(gen.decoder.history))
-        return real_check(*args, **kwargs)
+    class Spy:
+        def run(self, turn):
+            checks.append(len(turn.decoder.history))
+            return real_check.run(turn)
 
-    monkeypatch.setattr(gen, "check", mode)
-    monkeypatch.setattr(gen, "_check_clause", spy)
+    monkeypatch.setattr(generator, "_CHECK", Spy())
+    gen.reconfigure(check=mode)
+    request.addfinalizer(lambda: gen.reconfigure(check=DEFAULT_CHECK))
     q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
     obj = run_file_turn(gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(max_tokens=40), realtime=True, engines=engines)
     a = obj["answer"]

@@ -159,3 +159,99 @@ def heard_as(text: str, heard: str) -> float:
     import difflib
 
     return difflib.SequenceMatcher(None, " ".join(words(text)), " ".join(words(heard))).ratio()
+
+
+def _quiet_runs(audio: np.ndarray, rate: int, min_ms: int = 120, thresh: float = 0.01) -> list[tuple[int, int]]:
+    """(start, end) sample spans of at least `min_ms` whose 10 ms RMS stays under `thresh`."""
+    hop = rate // 100
+    rms = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(hop) / hop, mode="same"))[::hop]
+    runs, start = [], None
+    for i, q in enumerate(np.append(rms < thresh, False)):
+        if q and start is None:
+            start = i
+        elif not q and start is not None:
+            if (i - start) * 10 >= min_ms:
+                runs.append((start * hop, i * hop))
+            start = None
+    return runs
+
+
+def paused_speech(synth, text: str, pauses_ms: dict[int, int], rate: int = 16000) -> np.ndarray | None:
+    """`text` spoken in one go with commas at word boundaries, the silence at some of them stretched.
+
+    `pauses_ms` maps a comma's index (0-based, counting every comma in `text`) to the total silence
+    wanted there. The whole text is synthesised at once so the prosody stays that of one sentence
+    (a comma gives a continuing intonation and a ~250 ms pause in Piper); the comma pauses are found
+    as the longest quiet runs, in order, and stretched with zeros in their middle. None when the
+    pauses cannot be found (fewer long quiet runs than commas).
+    """
+    a = synth.synthesize(text)
+    n_commas = text.count(",")
+    runs = _quiet_runs(a[int(0.05 * synth.rate):], synth.rate)  # skip the leading silence
+    runs = [(s + int(0.05 * synth.rate), e + int(0.05 * synth.rate)) for s, e in runs if e < len(a) - int(0.1 * synth.rate)]
+    if len(runs) < n_commas:
+        return None
+    commas = sorted(sorted(runs, key=lambda r: r[0] - r[1])[:n_commas])  # the longest, in order
+    out, last = [], 0
+    for i, (s, e) in enumerate(commas):
+        want = pauses_ms.get(i)
+        if want is None:
+            continue
+        mid = (s + e) // 2
+        extra = max(0, int(want / 1000 * synth.rate) - (e - s))
+        out += [a[last:mid], np.zeros(extra, np.float32)]
+        last = mid
+    out.append(a[last:])
+    return resample(np.concatenate(out), synth.rate, rate)
+
+
+def spoken_wav_with_pauses(synth, text: str, pauses_ms: dict[int, int], path: Path, lead_s: float = 0.4, tail_s: float = 0.4,
+                           rate: int = 16000) -> float | None:
+    """Write `paused_speech` to a WAV with silence around it; returns the time (s) of its last word's end, or None."""
+    a = paused_speech(synth, text, pauses_ms, rate)
+    if a is None:
+        return None
+    z = lambda s: np.zeros(int(s * rate), np.float32)  # noqa: E731
+    audio = np.concatenate([z(lead_s), 0.8 * a, z(tail_s)])
+    write_wav(path, audio, rate)
+    span = speech_span(audio, rate)
+    return None if span is None else span[1]
+
+
+# Where people pause mid-sentence: after a word that needs the next one ("set a timer for… ten minutes",
+# "what's the weather in, um, Boston"), or before a preposition or conjunction that opens a new phrase.
+_PAUSE_AFTER = frozenset("the a an my your our to for in on at of with from about and or is are what me".split())
+_PAUSE_BEFORE = frozenset("for to in on at with from about and or but because that if when".split())
+FILLERS = ("um", "uh")
+
+
+def pause_query(query: str, rng: np.random.Generator, pause_ms: tuple[int, int] = (300, 900),
+                filler_p: float = 0.35) -> tuple[str, dict[int, int], float] | None:
+    """A CLINC-style query with one natural mid-utterance pause (two in queries of 10+ words).
+
+    Returns (text to speak, with a comma at each pause and maybe a filler, the pauses for
+    `paused_speech`, the longest pause in ms), or None when the query has no phrase boundary.
+    """
+    words = query.replace(",", "").split()
+    if len(words) < 4:
+        return None
+    cands = [i for i in range(2, len(words) - 1) if words[i - 1].lower() in _PAUSE_AFTER or words[i].lower() in _PAUSE_BEFORE]
+    if not cands:
+        return None
+    k = 2 if len(words) >= 10 and len(cands) >= 2 else 1
+    cuts = sorted(rng.choice(cands, size=k, replace=False).tolist())
+    out, pauses, n_comma = [], {}, 0
+    for i, w in enumerate(words):
+        if i in cuts:
+            out[-1] += ","
+            if rng.random() < filler_p:
+                out.append(str(rng.choice(FILLERS)) + ",")
+                n_comma += 1  # the comma before the filler keeps Piper's own short pause
+            pauses[n_comma] = int(rng.integers(pause_ms[0], pause_ms[1] + 1))
+            n_comma += 1
+        out.append(w)
+    return " ".join(out), pauses, float(max(pauses.values()))
+
+
+def without_fillers(text: str) -> str:
+    return " ".join(w for w in words(text) if w not in FILLERS)

@@ -13,6 +13,7 @@ API runs one turn per pipeline).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import tempfile
 import threading
 from pathlib import Path
@@ -23,21 +24,21 @@ import numpy as np
 from edge_client.answer import Answer, TokenEvent
 from edge_client.replay.policies import Runner
 from edge_client.replay.sessions import Turn
-from edge_client.replay.turn import TurnRecord
+from edge_client.voice.cli import run_file_turn
+from edge_client.voice.pipeline import Engines, VoiceOptions
+from edge_client.voice.wavfile import write_wav
 from models.registry import cache_dir
 
 LEAD_S, TAIL_S = 0.3, 1.0  # silence around synthesised speech, so the VAD sees a clean onset and end
+# what the voice pipeline loads lazily (the voice extra): VAD, ASR, TTS
+VOICE_PACKAGES = ("onnxruntime", "faster_whisper", "piper")
 
 
 def voice_unavailable() -> str | None:
     """None when the voice package's file-mode API can be used, else why not."""
-    try:
-        from edge_client.voice.cli import run_file_turn  # noqa: F401
-        from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: F401
-        from edge_client.voice.tts import Synthesizer  # noqa: F401
-        from edge_client.voice.wavfile import write_wav  # noqa: F401
-    except ImportError as exc:
-        return f"the voice pipeline cannot be imported ({exc}); install the voice extra (`pip install -e .[voice]`)"
+    missing = [name for name in VOICE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"the voice pipeline needs {', '.join(missing)}; install the voice extra (`pip install -e .[voice]`)"
     return None
 
 
@@ -47,31 +48,28 @@ class GeneratorAdapter:
     def __init__(self, runner: Runner, model) -> None:
         self.runner = runner
         self.model = model
-        self.last: TurnRecord | None = None
+        self.last: Answer | None = None
         self.last_messages: list[dict] = []
 
     def count_tokens(self, messages: list[dict]) -> int:
         return len(self.model.chat_tokens(messages))
 
     def generate(
-        self, messages: list[dict], max_tokens: int = 128, on_token: Callable[[TokenEvent], None] | None = None, stop: threading.Event | None = None
+        self,
+        messages: list[dict],
+        max_tokens: int = 128,
+        on_token: Callable[[TokenEvent], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> Answer:
-        rec = self.runner.answer(messages, max_tokens, on_token=on_token, stop=stop)
-        self.last, self.last_messages = rec, messages
-        ans = Answer(text=rec.text, tokens=rec.tokens, routes=rec.routes, scores=[None] * len(rec.tokens), policy=self.runner.spec.name)  # type: ignore[arg-type]
-        ans.degraded, ans.finish_reason, ans.pieces = rec.degraded, rec.finish_reason, rec.pieces
-        ans.interrupted = rec.finish_reason == "interrupted"
-        t = rec.traffic
-        ans.bytes_up, ans.bytes_down, ans.round_trips, ans.cloud_compute_ms = t.bytes_up, t.bytes_down, t.round_trips, t.cloud_compute_ms
-        return ans
+        answer = self.runner.answer(messages, max_tokens, on_token=on_token, stop=stop)
+        self.last, self.last_messages = answer, messages
+        return answer
 
 
 class AudioReplayer:
     """Loads ASR and TTS once; runs one spoken turn under a given runner."""
 
     def __init__(self, first: GeneratorAdapter, max_tokens: int) -> None:
-        from edge_client.voice.pipeline import Engines, VoiceOptions
-
         self.vopts = VoiceOptions()
         self.vopts.max_tokens = max_tokens
         self.engines = Engines(first, self.vopts.asr, self.vopts.tts, self.vopts.dialogue.system_prompt)
@@ -81,10 +79,10 @@ class AudioReplayer:
         """The turn's WAV: its own, or its text spoken once and cached."""
         if turn.wav is not None:
             return Path(turn.wav)
-        from edge_client.voice.wavfile import write_wav
-
         synth = self.engines.synth
-        key = hashlib.sha256(f"{getattr(synth.voice.config, 'espeak_voice', '')}|{synth.rate}|{turn.text}".encode()).hexdigest()[:20]
+        key = hashlib.sha256(
+            f"{getattr(synth.voice.config, 'espeak_voice', '')}|{synth.rate}|{turn.text}".encode()
+        ).hexdigest()[:20]
         path = cache_dir() / "replay_audio" / f"{key}.wav"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,10 +91,8 @@ class AudioReplayer:
             write_wav(path, np.concatenate([pad(LEAD_S), speech, pad(TAIL_S)]), synth.rate)
         return path
 
-    def run(self, adapter: GeneratorAdapter, wav: Path) -> tuple[dict, TurnRecord | None, list[dict]]:
-        """One spoken turn: (the pipeline's turn JSON, the answer's TurnRecord, the messages it answered)."""
-        from edge_client.voice.cli import run_file_turn
-
+    def run(self, adapter: GeneratorAdapter, wav: Path) -> tuple[dict, Answer | None, list[dict]]:
+        """One spoken turn: (the pipeline's turn JSON, the answer's Answer, the messages it answered)."""
         self.engines.gen = adapter
         adapter.last, adapter.last_messages = None, []
         out = Path(self._tmp.name) / "reply.wav"

@@ -22,13 +22,18 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
-from edge_client.generator import DEFAULT_SYSTEM_PROMPT
+from edge_client.answer import Answer
+from edge_client.cloud_link import CloudLink
+from edge_client.local_cloud import loopback_server
+from edge_client.replay.audio import AudioReplayer, GeneratorAdapter, voice_unavailable
+from edge_client.replay.metrics import CloudScorer, rouge_l
 from edge_client.replay.netem import PROFILES, NetemProxy, get_profile
-from edge_client.replay.policies import DEFAULT_POLICIES, RouterOptions, Runner, make_runner, parse_policies
+from edge_client.replay.policies import DEFAULT_POLICIES, Runner, parse_policies, replay_defaults
 from edge_client.replay.report import json_summary, machine_info, markdown, write_report
 from edge_client.replay.sessions import Session, SessionError, load_sessions
-from edge_client.replay.turn import LinkFactory
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
+from shared.llama_backend import LlamaModel
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
 
 log = logging.getLogger(__name__)
 WARMUP_MESSAGES = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": "hello"}]
@@ -41,32 +46,60 @@ class ReplayError(RuntimeError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenrouter-replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="lte", choices=list(PROFILES), help="emulated network (default lte)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES}); router-*:nosync turns eager sync off")
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated (default {DEFAULT_POLICIES}); router-*:nosync turns eager sync off",
+    )
     p.add_argument("--sessions", default="clinc150", help="clinc150 or a JSONL file of sessions")
     p.add_argument("--split", default="val", help="CLINC150 split (val for development, test for final figures)")
     p.add_argument("--limit", type=int, default=30, help="number of sessions")
     p.add_argument("--seed", type=int, default=0, help="session sampling, network jitter and sampling seed")
-    p.add_argument("--out", required=True, type=Path, help="output directory (results.jsonl, report.json, report.md, plots)")
+    p.add_argument(
+        "--out", required=True, type=Path, help="output directory (results.jsonl, report.json, report.md, plots)"
+    )
     p.add_argument("--fresh", action="store_true", help="discard earlier results in --out instead of resuming")
     p.add_argument("--audio", action="store_true", help="spoken sessions through the voice pipeline")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--settle-ms", type=float, default=None,
-                   help="pause after each policy's turn so its in-flight traffic does not land in the next policy's (default: the profile's worst one-way delay)")
-    p.add_argument("--report-only", action="store_true", help="rewrite the report from --out's results without replaying")
+    p.add_argument(
+        "--settle-ms",
+        type=float,
+        default=None,
+        help="pause after each policy's turn so its in-flight traffic does not land in the next policy's (default: the profile's worst one-way delay)",
+    )
+    p.add_argument(
+        "--report-only", action="store_true", help="rewrite the report from --out's results without replaying"
+    )
     g = p.add_argument_group("models and routing")
     g.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
     g.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
-    g.add_argument("--router", default="top1", help="heuristic router (entropy, top1, margin), a learned router file (.npz), or auto (the learned router shipped for the model pair)")
-    g.add_argument("--threshold", type=float, default=0.83, help="router threshold (0.83 with top1 flags ~20%% of the edge model's tokens)")
-    g.add_argument("--cloud-fraction", type=float, default=None, help="calibrate the router threshold to this token fraction")
+    g.add_argument(
+        "--router",
+        default="top1",
+        help="heuristic router (entropy, top1, margin), a learned router file (.npz), or auto (the learned router shipped for the model pair)",
+    )
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=0.83,
+        help="router threshold (0.83 with top1 flags ~20%% of the edge model's tokens)",
+    )
+    g.add_argument(
+        "--cloud-fraction", type=float, default=None, help="calibrate the router threshold to this token fraction"
+    )
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
     g.add_argument("--span", type=int, default=4, help="router-span: tokens per cloud call")
     g.add_argument("--draft-max", type=int, default=12, help="router-verify/router-check/speculative: longest draft")
-    g.add_argument("--check-nats", type=float, default=1.0, metavar="NATS",
-                   help="router-check: the cloud checks every drafted token and overrules one it finds more than NATS "
-                        "less likely than its own choice (docs/router.md)")
+    g.add_argument(
+        "--check-nats",
+        type=float,
+        default=1.0,
+        metavar="NATS",
+        help="router-check: the cloud checks every drafted token and overrules one it finds more than NATS "
+        "less likely than its own choice (docs/router.md)",
+    )
     g.add_argument("--sync-every", type=int, default=4, help="eager sync after this many final device tokens")
     g.add_argument("--max-tokens", type=int, default=48)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -83,8 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_audio_available() -> None:
     """Audio mode needs the voice package's file-mode API (edge_client/voice)."""
-    from edge_client.replay.audio import voice_unavailable
-
     why = voice_unavailable()
     if why is not None:
         raise ReplayError(f"--audio is not available: {why}; run text sessions without --audio")
@@ -93,20 +124,35 @@ def check_audio_available() -> None:
 @contextlib.contextmanager
 def emulated_cloud(cloud_model: str, profile, seed: int, threads: int) -> Iterator[tuple[str, str, NetemProxy]]:
     """A loopback cloud server behind the network emulator: yields (device URL, API key, proxy)."""
-    from cloud_server.local import LocalCloudServer
-
-    server = LocalCloudServer(model=cloud_model, extra_args=["--threads", str(threads)]).start()
-    try:
-        target = urlparse(server.url)
+    with loopback_server(cloud_model, threads) as (url, key):
+        target = urlparse(url)
         with NetemProxy(target.hostname or "127.0.0.1", target.port or 0, profile, seed=seed) as proxy:
-            yield f"ws://127.0.0.1:{proxy.port}{target.path}", server.api_key, proxy
-    finally:
-        server.stop()
+            yield f"ws://127.0.0.1:{proxy.port}{target.path}", key, proxy
 
 
 def _config(args: argparse.Namespace, profile) -> dict:
-    keep = ("policies", "sessions", "split", "limit", "seed", "edge_model", "cloud_model", "router", "threshold", "cloud_fraction",
-            "query_threshold", "span", "draft_max", "check_nats", "sync_every", "max_tokens", "temperature", "threads", "audio", "settle_ms")
+    keep = (
+        "policies",
+        "sessions",
+        "split",
+        "limit",
+        "seed",
+        "edge_model",
+        "cloud_model",
+        "router",
+        "threshold",
+        "cloud_fraction",
+        "query_threshold",
+        "span",
+        "draft_max",
+        "check_nats",
+        "sync_every",
+        "max_tokens",
+        "temperature",
+        "threads",
+        "audio",
+        "settle_ms",
+    )
     cfg = {k: getattr(args, k) for k in keep}
     cfg["profile"] = profile.to_json()
     return cfg
@@ -114,7 +160,9 @@ def _config(args: argparse.Namespace, profile) -> dict:
 
 def _load_done(out: Path, config: dict, fresh: bool) -> list[dict]:
     """Earlier results of the same configuration (resume), or none."""
-    digest = hashlib.sha256(json.dumps({k: v for k, v in config.items() if k != "limit"}, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        json.dumps({k: v for k, v in config.items() if k != "limit"}, sort_keys=True).encode()
+    ).hexdigest()[:16]
     run_file, results = out / "run.json", out / "results.jsonl"
     if fresh or not run_file.exists():
         results.unlink(missing_ok=True)
@@ -134,12 +182,14 @@ def settle_seconds(profile, settle_ms: float | None) -> float:
     """How long a message may still be in flight after a turn: one-way delay + 3 sigma of jitter + a stall."""
     if settle_ms is not None:
         return max(settle_ms, 0.0) / 1000.0
-    worst = profile.rtt_ms / 2 + 3 * profile.jitter_ms / 2 ** 0.5 + (profile.stall_ms if profile.stall_prob > 0 else 0.0)
+    worst = profile.rtt_ms / 2 + 3 * profile.jitter_ms / 2**0.5 + (profile.stall_ms if profile.stall_prob > 0 else 0.0)
     return worst / 1000.0
 
 
-def replay_session(session: Session, runners: list[Runner], order: list[int], max_tokens: int, voice=None, settle_s: float = 0.0) -> dict[str, list]:
-    """All turns of one session under each policy; returns policy -> [(messages, TurnRecord, voice JSON or None)].
+def replay_session(
+    session: Session, runners: list[Runner], order: list[int], max_tokens: int, voice=None, settle_s: float = 0.0
+) -> dict[str, list]:
+    """All turns of one session under each policy; returns policy -> [(messages, Answer, voice JSON or None)].
 
     Before each policy the harness waits `settle_s` (not measured): otherwise an eager sync still
     crossing the emulated network is served while the next policy runs, and the server batches it
@@ -167,8 +217,6 @@ def replay_session(session: Session, runners: list[Runner], order: list[int], ma
 
 def _replay_spoken(session: Session, runners: list[Runner], order: list[int], voice) -> dict[str, list]:
     """Audio mode: each turn spoken (cached WAV) through the voice pipeline, one turn per pipeline run."""
-    from edge_client.replay.turn import TurnRecord
-
     replayer, adapters = voice
     wavs = [replayer.wav_for(t) for t in session.turns]
     out: dict[str, list] = {}
@@ -178,7 +226,10 @@ def _replay_spoken(session: Session, runners: list[Runner], order: list[int], vo
         for wav in wavs:
             obj, rec, messages = replayer.run(adapters[i], wav)
             if rec is None:  # nothing was heard: no answer to measure
-                rec, messages = TurnRecord(decision="no-speech"), [{"role": "user", "content": ""}]
+                rec, messages = (
+                    Answer(policy=runners[i].spec.name, decision="no-speech"),
+                    [{"role": "user", "content": ""}],
+                )
             turns.append((messages, rec, obj))
         out[runners[i].spec.name] = turns
     return out
@@ -186,8 +237,6 @@ def _replay_spoken(session: Session, runners: list[Runner], order: list[int], vo
 
 def score_session(session: Session, results: dict[str, list], scorer, max_tokens: int) -> list[dict]:
     """Quality of every answer: cloud-model NLL, ROUGE-L against the cloud-only answer."""
-    from edge_client.replay.metrics import rouge_l
-
     rows = []
     reference: list[str] = []
     if "cloud" in results:
@@ -196,7 +245,13 @@ def score_session(session: Session, results: dict[str, list], scorer, max_tokens
         for k, (messages, rec, spoken) in enumerate(turns):
             if len(reference) <= k:  # no cloud policy in this run: the cloud model's greedy answer
                 reference.append(scorer.model.detokenize(scorer.greedy(messages, max_tokens)))
-            row = {"session": session.id, "turn": k, "policy": policy, "prompt": messages[-1]["content"], **rec.to_json()}
+            row = {
+                **rec.to_json(),
+                "session": session.id,
+                "turn": k,
+                "policy": policy,
+                "prompt": messages[-1]["content"],
+            }
             row["cloud_nll"] = scorer.nll_per_token(messages, rec.tokens)
             row["rouge_l_vs_cloud"] = round(rouge_l(rec.text, reference[k]), 4)
             if spoken is not None:
@@ -228,8 +283,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.audio:
         check_audio_available()
     specs = parse_policies(args.policies)
-    profile = get_profile(args.profile, rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, stall_prob=args.stall_prob,
-                          stall_ms=args.stall_ms, up_mbps=args.up_mbps, down_mbps=args.down_mbps)
+    profile = get_profile(
+        args.profile,
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        stall_prob=args.stall_prob,
+        stall_ms=args.stall_ms,
+        up_mbps=args.up_mbps,
+        down_mbps=args.down_mbps,
+    )
     if args.max_tokens < 1 or args.span < 1 or args.draft_max < 1:
         raise ReplayError("--max-tokens, --span and --draft-max must be >= 1")
     if not 0.0 < args.check_nats < float("inf"):
@@ -241,15 +303,32 @@ def run(args: argparse.Namespace) -> dict:
     settle = settle_seconds(profile, args.settle_ms)
     done = {r["session"] for r in rows}
     todo = [s for s in sessions if s.id not in done]
-    opts = RouterOptions(router=args.router, threshold=args.threshold, cloud_fraction=args.cloud_fraction, sync_every=args.sync_every,
-                         span=args.span, draft_max=args.draft_max, check_nats=args.check_nats, query_threshold=args.query_threshold, temperature=args.temperature,
-                         seed=args.seed, threads=args.threads, cloud_model=args.cloud_model)
+    opts = replay_defaults(
+        router=args.router,
+        threshold=args.threshold,
+        cloud_fraction=args.cloud_fraction,
+        sync_every=args.sync_every,
+        span=args.span,
+        check_max_draft=args.draft_max,
+        check_nats=args.check_nats,
+        temperature=args.temperature,
+        seed=args.seed,
+        threads=args.threads,
+        edge_model=args.edge_model,
+        cloud_model=args.cloud_model,
+        max_tokens=args.max_tokens,
+    )
     edge_info, cloud_info = model_info(args.edge_model), model_info(args.cloud_model)
-    meta = {"machine": machine_info(), "config": config, "models": {"edge": edge_info.name, "edge_fingerprint": edge_info.fingerprint,
-            "cloud": cloud_info.name, "cloud_fingerprint": cloud_info.fingerprint}}
-    from edge_client.replay.metrics import CloudScorer
-    from shared.llama_backend import LlamaModel
-
+    meta = {
+        "machine": machine_info(),
+        "config": config,
+        "models": {
+            "edge": edge_info.name,
+            "edge_fingerprint": edge_info.fingerprint,
+            "cloud": cloud_info.name,
+            "cloud_fingerprint": cloud_info.fingerprint,
+        },
+    }
     edge = LlamaModel(edge_info)
     cloud_model = LlamaModel(cloud_info)
     scorer = CloudScorer(cloud_model, threads=args.threads)
@@ -258,13 +337,12 @@ def run(args: argparse.Namespace) -> dict:
     try:
         with emulated_cloud(args.cloud_model, profile, args.seed, args.threads) as (url, key, proxy):
             for spec in specs:
-                runners.append(make_runner(spec, edge, LinkFactory(url, key, opts.cloud_timeout_s), opts))
+                connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
+                runners.append(Runner(spec, edge, connect, opts, query_threshold=args.query_threshold))
             for r in runners:  # open connections and warm caches; not measured
                 r.start_session(False)
                 r.answer(WARMUP_MESSAGES, 2)
             if args.audio:
-                from edge_client.replay.audio import AudioReplayer, GeneratorAdapter
-
                 adapters = [GeneratorAdapter(r, edge) for r in runners]
                 voice = (AudioReplayer(adapters[0], args.max_tokens), adapters)
             proxy.reset_stats()
@@ -302,7 +380,9 @@ def _progress(total: int, quiet: bool) -> Iterator:
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True) as prog:
+    with Progress(
+        TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+    ) as prog:
         task = prog.add_task("replay", total=total)
         yield lambda: prog.advance(task)
 
@@ -319,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(json_summary(report), indent=2))
     else:
         print(markdown(report))
-        print(f"written: {args.out / 'report.json'}, {args.out / 'report.md'}" + (", plots" if report.get("plots") else ""))
+        print(
+            f"written: {args.out / 'report.json'}, {args.out / 'report.md'}"
+            + (", plots" if report.get("plots") else "")
+        )
     return 0
 
 

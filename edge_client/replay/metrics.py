@@ -142,7 +142,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "bytes_up_per_token": round(sum(r["traffic"]["bytes_up"] for r in rows) / n_tok, 2),
         "bytes_down_per_token": round(sum(r["traffic"]["bytes_down"] for r in rows) / n_tok, 2),
         "round_trips_per_answer": round(sum(r["traffic"]["round_trips"] for r in rows) / max(len(rows), 1), 3),
-        "answered_within_150ms": round(sum(1 for m in ms if m["ttft_ms"] is not None and m["ttft_ms"] <= ANSWERED_WITHIN_MS) / max(len(ms), 1), 4),
+        "answered_within_150ms": round(
+            sum(1 for m in ms if m["ttft_ms"] is not None and m["ttft_ms"] <= ANSWERED_WITHIN_MS) / max(len(ms), 1), 4
+        ),
         "eos_to_first_audio_ms_p50": _pct((r.get("eos_to_first_audio_ms") for r in rows), 50),
         "eos_to_first_audio_ms_p95": _pct((r.get("eos_to_first_audio_ms") for r in rows), 95),
         "stage_ms_mean": {k: _mean(m[k] for m in ms) for k in ("device_ms", "network_ms", "cloud_ms")},

@@ -47,7 +47,9 @@ class NetProfile:
             raise ValueError(f"network profile {self.name!r}: stall probability must be within [0, 1]")
         for bw in (self.up_mbps, self.down_mbps):
             if bw is not None and bw <= 0:
-                raise ValueError(f"network profile {self.name!r}: bandwidth must be > 0 Mbit/s (or unset for unlimited)")
+                raise ValueError(
+                    f"network profile {self.name!r}: bandwidth must be > 0 Mbit/s (or unset for unlimited)"
+                )
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -132,7 +134,9 @@ class _Link:
 class NetemProxy:
     """A loopback TCP proxy on its own thread and event loop; both directions are delayed."""
 
-    def __init__(self, target_host: str, target_port: int, profile: NetProfile, seed: int = 0, listen_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, target_host: str, target_port: int, profile: NetProfile, seed: int = 0, listen_host: str = "127.0.0.1"
+    ) -> None:
         self.target = (target_host, target_port)
         self.profile = profile
         self.seed = seed
@@ -229,7 +233,13 @@ class NetemProxy:
             for w in (client_w, server_w):
                 w.close()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link, stats: Callable[[], DirectionStats]) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        stats: Callable[[], DirectionStats],
+    ) -> None:
         """Read chunks as they come, schedule each, and write them at their release time."""
         queue: asyncio.Queue[tuple[bytes, float, float] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()

@@ -1,17 +1,19 @@
 """The routing policies the harness compares, each behind one `answer(messages)` call.
 
-    edge            device only                          (RoutedGenerator, policy edge)
-    cloud           cloud only, streamed                 (RoutedGenerator, policy cloud)
-    router-sync     wait for the cloud at each hard token (RoutedGenerator, policy router)
+Every policy is the product's RoutedGenerator with some options changed, so the
+comparison measures the waiting strategy, not a second implementation of the
+token loop (edge_client/strategies.py holds the strategies):
+
+    edge            device only                          (policy edge)
+    cloud           cloud only, streamed                 (policy cloud)
+    router-sync     wait for the cloud at each hard token (per-token strategy)
     router-lookahead  router-sync plus the cloud's guess for the token after each hard one
-                    (RoutedGenerator with lookahead, without the check)
     router-span     at a hard token the cloud writes up to --span tokens in one call
     router-verify   draft to the next clause boundary; send the flagged positions
                     in one verify; roll back to the first rejected one
-    router-check    the cloud's check (RoutedGenerator with check): like router-verify,
-                    but the cloud also overrules any drafted token it finds more than
-                    --check-nats less likely than its own choice, so every draft waits
-                    for its verdict
+    router-check    the cloud's check (--check all): like router-verify, but the cloud
+                    also overrules any drafted token it finds more than --check-nats
+                    less likely than its own choice, so every draft waits for its verdict
     router-check-after-first-clause
                     router-lookahead for the first clause, router-check for the rest
                     (the product's default)
@@ -22,27 +24,50 @@
 Router policies other than the router-check ones (whose every verify carries the clause)
 take a suffix `:nosync` to turn eager sync off (device tokens then travel only
 with the next cloud request); `:sync` is the default.
-The last five are implemented by `ReplayDriver` (driver.py), which reuses
-EdgeDecoder, CloudLink, Router and RoutingPolicy.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from edge_client.answer import TokenEvent
-from edge_client.generator import RoutedGenerator, build_router
-from edge_client.replay.turn import Emitter, LinkFactory, TurnRecord
+from edge_client.answer import Answer, TokenEvent
+from edge_client.cloud_link import CloudLink
+from edge_client.generator import RoutedGenerator
+from edge_client.options import GeneratorOptions
 from shared.llama_backend import LlamaModel
-from shared.policy import PolicyConfig, RoutingPolicy
-from shared.protocol import SamplingParams
 
-POLICY_KINDS = ("edge", "cloud", "query", "session", "router-sync", "router-lookahead", "router-span", "router-verify", "router-check", "router-check-after-first-clause", "speculative")
+POLICY_KINDS = (
+    "edge",
+    "cloud",
+    "query",
+    "session",
+    "router-sync",
+    "router-lookahead",
+    "router-span",
+    "router-verify",
+    "router-check",
+    "router-check-after-first-clause",
+    "speculative",
+)
 ROUTER_KINDS = ("router-sync", "router-lookahead", "router-span", "router-verify")
-DEFAULT_POLICIES = "edge,cloud,query,session,router-sync,router-lookahead,router-span,router-verify,router-check,router-check-after-first-clause,speculative"
+DEFAULT_POLICIES = ",".join(POLICY_KINDS)
+
+# What each policy changes in the generator's options (the rest comes from the replay's command line).
+_OPTIONS: dict[str, dict[str, object]] = {
+    "edge": {"policy": "edge"},
+    "cloud": {"policy": "cloud"},
+    "query": {},
+    "session": {},
+    "router-sync": {},
+    "router-lookahead": {"lookahead": True},
+    "router-span": {"strategy": "span"},
+    "router-verify": {"strategy": "verify"},
+    "router-check": {"check": "all"},
+    "router-check-after-first-clause": {"lookahead": True, "check": "after-first-clause"},
+    "speculative": {"strategy": "speculative"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +78,7 @@ class PolicySpec:
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """"edge,cloud,router-sync:nosync" -> specs; a clear error for anything unknown."""
+    """ "edge,cloud,router-sync:nosync" -> specs; a clear error for anything unknown."""
     specs: list[PolicySpec] = []
     for raw in (p.strip() for p in text.split(",")):
         if not raw:
@@ -72,99 +97,67 @@ def parse_policies(text: str) -> list[PolicySpec]:
     return specs
 
 
-@dataclass(slots=True)
-class RouterOptions:
-    """How hard tokens are found and handed over; shared by every router policy."""
-
-    router: str = "top1"  # "auto": the learned router shipped for (edge model, cloud_model)
-    cloud_model: str = ""
-    threshold: float = 0.83
-    cloud_fraction: float | None = None  # calibrate the threshold online to this fraction instead
-    warmup: int = 0
-    sync_every: int = 4  # eager sync: send final device tokens after this many
-    span: int = 4  # router-span: tokens the cloud writes per hard token
-    draft_max: int = 12  # router-verify / router-check / speculative: longest draft before a verify
-    check_nats: float = 1.0  # router-check: the cloud overrules a drafted token over this many nats worse than its choice
-    query_threshold: float | None = None  # query policy; default: threshold
-    temperature: float = 0.0
-    seed: int = 0
-    n_ctx: int = 2048
-    threads: int | None = 1
-    cloud_timeout_s: float = 5.0
+def replay_defaults(**changes: object) -> GeneratorOptions:
+    """The generator options the harness starts from: the top1 heuristic at a fixed threshold,
+    no lookahead and no check (each policy turns on what it measures), a 5 s cloud timeout
+    (an emulated bad network is slow, not lost)."""
+    base = GeneratorOptions(
+        router="top1",
+        threshold=0.83,
+        cloud_fraction=None,
+        lookahead=False,
+        check="off",
+        n_ctx=2048,
+        cloud_timeout_s=5.0,
+        max_tokens=48,
+    )
+    return replace(base, **changes)
 
 
-class Runner(Protocol):
-    spec: PolicySpec
+class Runner:
+    """One policy: a RoutedGenerator configured for it, plus the per-answer choice of the
+    query and session policies."""
 
-    def start_session(self, light_mode: bool) -> None: ...
-
-    def answer(
-        self, messages: list[dict], max_tokens: int, on_token: Callable[[TokenEvent], None] | None = None, stop: threading.Event | None = None
-    ) -> TurnRecord: ...
-
-    def close(self) -> None: ...
-
-
-def make_policy(opts: RouterOptions, mode: str) -> RoutingPolicy:
-    return RoutingPolicy(PolicyConfig(mode, threshold=opts.threshold, cloud_fraction=opts.cloud_fraction, warmup=opts.warmup))
-
-
-class GeneratorRunner:
-    """edge, cloud, router-sync, router-lookahead and the router-check ones: the project's RoutedGenerator, unchanged."""
-
-    MODES = {"edge": "edge", "cloud": "cloud", "router-sync": "router", "router-lookahead": "router", "router-check": "router",
-             "router-check-after-first-clause": "router"}
-    CHECKS = {"router-check": "all", "router-check-after-first-clause": "after-first-clause"}
-
-    def __init__(self, spec: PolicySpec, edge: LlamaModel, links: LinkFactory | None, opts: RouterOptions) -> None:
+    def __init__(
+        self,
+        spec: PolicySpec,
+        edge: LlamaModel,
+        connect: Callable[[], CloudLink] | None,
+        opts: GeneratorOptions,
+        query_threshold: float | None = None,
+    ) -> None:
         self.spec = spec
-        self.links = links
-        self.model = edge
-        mode = self.MODES[spec.kind]
-        self.gen = RoutedGenerator(
-            edge,
-            build_router(opts.router, edge.n_vocab, edge_info=edge.info, cloud_model=opts.cloud_model),
-            make_policy(opts, mode),
-            SamplingParams(temperature=opts.temperature, seed=opts.seed),
-            connect=links if mode != "edge" else None,
-            sync_every=opts.sync_every if spec.eager_sync else 0,
-            n_ctx=opts.n_ctx,
-            threads=opts.threads,
-            lookahead=spec.kind in ("router-lookahead", "router-check-after-first-clause"),
-            check=self.CHECKS.get(spec.kind, "off"),
-            check_nats=opts.check_nats,
-            check_max_draft=opts.draft_max,
-        )
+        mine = replace(opts, **_OPTIONS[spec.kind])  # type: ignore[arg-type]
+        if not spec.eager_sync:
+            mine.sync_every = 0
+        self.gen = RoutedGenerator(edge, mine, connect if mine.policy != "edge" else None)
+        self.query_threshold = opts.threshold if query_threshold is None else query_threshold
+        self.light_mode = False
 
     def start_session(self, light_mode: bool) -> None:
-        pass
+        self.light_mode = light_mode
 
     def answer(
-        self, messages: list[dict], max_tokens: int, on_token: Callable[[TokenEvent], None] | None = None, stop: threading.Event | None = None
-    ) -> TurnRecord:
-        record = TurnRecord()
-        before = self.links.totals() if self.links else None
-        t0 = time.perf_counter()
-        emit = Emitter(self.model, record, t0, on_token)
+        self,
+        messages: list[dict],
+        max_tokens: int,
+        on_token: Callable[[TokenEvent], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> Answer:
+        """One answer; `on_token` sees each token when it is released, `stop` interrupts (voice barge-in)."""
+        decision = self._decide(messages)
+        answer = self.gen.generate(messages, max_tokens=max_tokens, on_token=on_token, stop=stop, mode=decision)
+        answer.decision = decision or ""
+        return answer
 
-        def take(ev: TokenEvent) -> None:
-            emit(ev.token_id, ev.route)
-
-        ans = self.gen.generate(messages, max_tokens=max_tokens, on_token=take, stop=stop)
-        emit.finish()
-        record.pieces = list(ans.pieces) or record.pieces
-        record.degraded, record.finish_reason = ans.degraded, ans.finish_reason
-        if self.links and before is not None:
-            record.traffic = self.links.totals() - before
-        return record
+    def _decide(self, messages: list[dict]) -> str | None:
+        """query / session: which model writes the whole answer; None for the token-level policies."""
+        if self.spec.kind == "session":
+            return "edge" if self.light_mode else "cloud"
+        if self.spec.kind == "query":
+            limit = self.query_threshold if self.query_threshold is not None else 0.5
+            return "cloud" if self.gen.prompt_score(messages) >= limit else "edge"
+        return None
 
     def close(self) -> None:
         self.gen.close()
-
-
-def make_runner(spec: PolicySpec, edge: LlamaModel, links: LinkFactory, opts: RouterOptions) -> Runner:
-    if spec.kind in GeneratorRunner.MODES:
-        return GeneratorRunner(spec, edge, links, opts)
-    from edge_client.replay.driver import ReplayDriver
-
-    return ReplayDriver(spec, edge, links, opts)

@@ -49,7 +49,9 @@ def build_report(rows: list[dict], policies: list[str], meta: dict[str, Any]) ->
     per_policy = {p: summarize([r for r in rows if r["policy"] == p]) for p in policies}
     edge, cloud = per_policy.get("edge"), per_policy.get("cloud")
     for name, s in per_policy.items():
-        s["quality_gap_recovered"] = quality_gap_recovered(edge and edge["cloud_nll"], cloud and cloud["cloud_nll"], s["cloud_nll"])
+        s["quality_gap_recovered"] = quality_gap_recovered(
+            edge and edge["cloud_nll"], cloud and cloud["cloud_nll"], s["cloud_nll"]
+        )
         s["first_clause_vs_edge"] = _ratio(s["first_clause_ms_p50"], edge and edge["first_clause_ms_p50"])
         s["cloud_compute_vs_cloud"] = _ratio(s["cloud_compute_s_per_1k"], cloud and cloud["cloud_compute_s_per_1k"])
     return {"report_version": REPORT_VERSION, **meta, "policies": per_policy, "goals": goals(per_policy)}
@@ -68,7 +70,9 @@ def goals(per_policy: dict[str, dict]) -> dict[str, Any]:
         checks = {
             "first_clause_within_1.3x_edge": _le(s["first_clause_vs_edge"], 1.3),
             "compute_at_most_35pct_of_cloud": _le(s["cloud_compute_vs_cloud"], 0.35),
-            "recovers_80pct_of_quality_gap": None if s["quality_gap_recovered"] is None else s["quality_gap_recovered"] >= 0.8,
+            "recovers_80pct_of_quality_gap": None
+            if s["quality_gap_recovered"] is None
+            else s["quality_gap_recovered"] >= 0.8,
         }
         out[name] = {**checks, "all": all(v is True for v in checks.values())}
     return out
@@ -112,8 +116,11 @@ def markdown(report: dict) -> str:
         f"up {prof['up_mbps'] or 'unlimited'} / down {prof['down_mbps'] or 'unlimited'} Mbit/s.",
         f"Machine: {report['machine']['cpu']} ({report['machine']['cpu_count']} CPUs), {report['machine']['platform']}.",
         f"Models: edge `{report['models']['edge']}`, cloud `{report['models']['cloud']}`; router `{report['config']['router']}` "
-        + (f"calibrated online to {report['config']['cloud_fraction']:.0%} cloud tokens." if report["config"].get("cloud_fraction") is not None
-           else f"threshold {report['config']['threshold']}."),
+        + (
+            f"calibrated online to {report['config']['cloud_fraction']:.0%} cloud tokens."
+            if report["config"].get("cloud_fraction") is not None
+            else f"threshold {report['config']['threshold']}."
+        ),
         "",
         "## Latency",
         "",
@@ -127,7 +134,10 @@ def markdown(report: dict) -> str:
         )
     if any(s["eos_to_first_audio_ms_p50"] is not None for s in pol.values()):
         lines += ["", "| policy | end of speech -> first audio p50 | p95 |", "|---|---|---|"]
-        lines += [f"| {p} | {_fmt(s['eos_to_first_audio_ms_p50'])} | {_fmt(s['eos_to_first_audio_ms_p95'])} |" for p, s in pol.items()]
+        lines += [
+            f"| {p} | {_fmt(s['eos_to_first_audio_ms_p50'])} | {_fmt(s['eos_to_first_audio_ms_p95'])} |"
+            for p, s in pol.items()
+        ]
     lines += [
         "",
         "Times in ms, measured when a token is released to the user.",
@@ -143,14 +153,30 @@ def markdown(report: dict) -> str:
             f"| {_fmt(s['bytes_up_per_token'])} | {_fmt(s['bytes_down_per_token'])} | {_fmt(s['round_trips_per_answer'], 2)} "
             f"| {_fmt(s['cloud_nll'], 3)} | {_fmt(s['quality_gap_recovered'], 2)} | {_fmt(s['rouge_l_vs_cloud'], 3)} |"
         )
-    lines += ["", "## Where the time goes (mean ms per answer)", "", "| policy | device | network + queueing | cloud compute waited for | degraded turns |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Where the time goes (mean ms per answer)",
+        "",
+        "| policy | device | network + queueing | cloud compute waited for | degraded turns |",
+        "|---|---|---|---|---|",
+    ]
     for p, s in pol.items():
         st = s["stage_ms_mean"]
-        lines.append(f"| {p} | {_fmt(st['device_ms'])} | {_fmt(st['network_ms'])} | {_fmt(st['cloud_ms'])} | {s['degraded_turns']} |")
+        lines.append(
+            f"| {p} | {_fmt(st['device_ms'])} | {_fmt(st['network_ms'])} | {_fmt(st['cloud_ms'])} | {s['degraded_turns']} |"
+        )
     if report["goals"]:
-        lines += ["", "## Goals (router policies)", "", "| policy | first clause <= 1.3x edge | compute <= 35% of cloud | >= 80% of quality gap | all |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Goals (router policies)",
+            "",
+            "| policy | first clause <= 1.3x edge | compute <= 35% of cloud | >= 80% of quality gap | all |",
+            "|---|---|---|---|---|",
+        ]
         for p, g in report["goals"].items():
-            lines.append(f"| {p} | {_fmt(g['first_clause_within_1.3x_edge'])} | {_fmt(g['compute_at_most_35pct_of_cloud'])} | {_fmt(g['recovers_80pct_of_quality_gap'])} | {_fmt(g['all'])} |")
+            lines.append(
+                f"| {p} | {_fmt(g['first_clause_within_1.3x_edge'])} | {_fmt(g['compute_at_most_35pct_of_cloud'])} | {_fmt(g['recovers_80pct_of_quality_gap'])} | {_fmt(g['all'])} |"
+            )
     up, down = net["up"], net["down"]
     lines += [
         "",
@@ -185,12 +211,17 @@ def plots(rows: list[dict], report: dict, out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for p in pol:
         ms = [turn_metrics(r) for r in rows if r["policy"] == p]
-        for ax, values in ((axes[0], [m["first_clause_ms"] for m in ms if m["first_clause_ms"] is not None]), (axes[1], [g for m in ms for g in m["gaps_ms"]])):
+        for ax, values in (
+            (axes[0], [m["first_clause_ms"] for m in ms if m["first_clause_ms"] is not None]),
+            (axes[1], [g for m in ms for g in m["gaps_ms"]]),
+        ):
             if values:
                 xs = np.sort(values)
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=p)
     axes[0].set(xlabel="time to first clause (ms)", ylabel="share of turns", title="First clause")
-    axes[1].set(xlabel="gap between released tokens (ms)", ylabel="share of tokens", title="Per-token latency", xscale="symlog")
+    axes[1].set(
+        xlabel="gap between released tokens (ms)", ylabel="share of tokens", title="Per-token latency", xscale="symlog"
+    )
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "latency_cdf.png", dpi=110)
@@ -203,7 +234,11 @@ def plots(rows: list[dict], report: dict, out: Path) -> list[str]:
         if s["cloud_nll"] is not None:
             ax.scatter(s["cloud_compute_s_per_1k"], s["cloud_nll"], marker=markers[k % len(markers)], label=p)
     ax.legend(fontsize=7)
-    ax.set(xlabel="cloud compute (s per 1k answer tokens)", ylabel="cloud-model NLL per token (lower is better)", title="Cloud compute against quality")
+    ax.set(
+        xlabel="cloud compute (s per 1k answer tokens)",
+        ylabel="cloud-model NLL per token (lower is better)",
+        title="Cloud compute against quality",
+    )
     fig.tight_layout()
     fig.savefig(out / "compute_vs_quality.png", dpi=110)
     plt.close(fig)
@@ -212,7 +247,11 @@ def plots(rows: list[dict], report: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4))
     names = list(pol)
     bottom = np.zeros(len(names))
-    for stage, label in (("device_ms", "device"), ("network_ms", "network + queueing"), ("cloud_ms", "cloud compute waited for")):
+    for stage, label in (
+        ("device_ms", "device"),
+        ("network_ms", "network + queueing"),
+        ("cloud_ms", "cloud compute waited for"),
+    ):
         vals = np.array([pol[p]["stage_ms_mean"][stage] or 0.0 for p in names])
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom += vals
@@ -226,13 +265,18 @@ def plots(rows: list[dict], report: dict, out: Path) -> list[str]:
     return written
 
 
-def write_report(rows: list[dict], policies: list[str], meta: dict[str, Any], out: Path, make_plots: bool = True) -> dict:
+def write_report(
+    rows: list[dict], policies: list[str], meta: dict[str, Any], out: Path, make_plots: bool = True
+) -> dict:
     report = build_report(rows, policies, meta)
     if make_plots:
         try:
             report["plots"] = plots(rows, report, out)
         except ImportError:
-            print("tokenrouter-replay: matplotlib is not installed; no plots (pip install 'matplotlib>=3.8')", file=sys.stderr)
+            print(
+                "tokenrouter-replay: matplotlib is not installed; no plots (pip install 'matplotlib>=3.8')",
+                file=sys.stderr,
+            )
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     return report

@@ -44,7 +44,9 @@ class Session:
         return self.light_mode or any(LIGHT_MODE_PHRASE in (t.text or "").lower() for t in self.turns)
 
 
-def clinc_sessions(split: str = "val", limit: int | None = None, seed: int = 0, path: Path = CLINC150_PATH) -> list[Session]:
+def clinc_sessions(
+    split: str = "val", limit: int | None = None, seed: int = 0, path: Path = CLINC150_PATH
+) -> list[Session]:
     if split not in CLINC_SPLITS:
         raise SessionError(f"unknown CLINC150 split {split!r}; choose one of {', '.join(CLINC_SPLITS)}")
     if not path.is_file():

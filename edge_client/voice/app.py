@@ -19,7 +19,23 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .events import AnswerToken, Event, FinalTranscript, Interruption, Listening, Notice, PartialTranscript, SpeechStarted, TurnDone
+from edge_client.generator import open_generator
+from edge_client.options_cli import options_from_args
+
+from .audio_io import Microphone, Speaker, resolve_device
+from .events import (
+    AnswerToken,
+    Event,
+    FinalTranscript,
+    Interruption,
+    Listening,
+    Notice,
+    PartialTranscript,
+    SpeechStarted,
+    TurnDone,
+)
+from .options_cli import voice_options_from_args
+from .pipeline import Engines, VoicePipeline
 
 
 @dataclass
@@ -105,13 +121,6 @@ def latency_table(done: TurnDone) -> Table:
 
 
 def run_app(args: argparse.Namespace) -> int:
-    from edge_client.cli import options_from_args
-    from edge_client.generator import open_generator
-
-    from .audio_io import Microphone, Speaker, resolve_device
-    from .cli import voice_options_from_args
-    from .pipeline import Engines, VoicePipeline
-
     resolve_device(args.input_device, "input")  # fail before loading models
     resolve_device(args.output_device, "output")
     vopts = voice_options_from_args(args)

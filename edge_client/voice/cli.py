@@ -15,26 +15,17 @@ import json
 import sys
 from typing import Any
 
-from .audio_io import DeviceError
+from edge_client.generator import open_generator
+from edge_client.options_cli import add_generation_options, options_from_args
+
+from .app import run_app
+from .audio_io import DeviceError, FileSink, FileSource, list_devices
+from .options_cli import add_voice_options, voice_options_from_args
+from .pipeline import Engines, NoSpeechError, VoicePipeline
 from .wavfile import AudioFileError
 
 
-def add_voice_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("voice")
-    g.add_argument("--stop-delay-ms", type=int, default=250, help="silence that ends a turn (default 250)")
-    g.add_argument("--min-speech-ms", type=int, default=200, help="speech needed to open a turn (default 200)")
-    g.add_argument("--vad-threshold", type=float, default=0.5, help="Silero speech probability threshold")
-    g.add_argument("--barge-in-ms", type=int, default=300, help="speech needed to interrupt the reply (default 300)")
-    g.add_argument("--no-speculative", action="store_true", help="wait for the endpoint before recognising and answering")
-    g.add_argument("--no-prefill", action="store_true",
-                   help="do not prefill the prompt from partial transcripts (they also reach the cloud early, words the person may still change)")
-    g.add_argument("--max-history-tokens", type=int, default=768)
-    g.add_argument("--voice-max-tokens", type=int, default=96, help="token cap of a spoken answer")
-
-
 def add_subcommands(sub: Any) -> None:
-    from edge_client.cli import add_generation_options
-
     d = sub.add_parser("devices", help="list audio input and output devices")
     d.add_argument("--json", action="store_true")
     d.set_defaults(handler=cmd_devices)
@@ -57,30 +48,12 @@ def add_subcommands(sub: Any) -> None:
     f.set_defaults(handler=cmd_file)
 
 
-def voice_options_from_args(args: argparse.Namespace) -> "Any":
-    from .dialogue import DialogueOptions
-    from .pipeline import VoiceOptions
-    from .vad import VadOptions
-
-    return VoiceOptions(
-        vad=VadOptions(threshold=args.vad_threshold, min_speech_ms=args.min_speech_ms, stop_delay_ms=args.stop_delay_ms),
-        dialogue=DialogueOptions(system_prompt=args.system_prompt, max_history_tokens=args.max_history_tokens),
-        max_tokens=args.voice_max_tokens,
-        full_duplex=getattr(args, "full_duplex", False),
-        barge_in_min_ms=args.barge_in_ms,
-        speculative=not args.no_speculative,
-        prefill_partials=not args.no_prefill,
-    )
-
-
 def _fail(msg: str) -> int:
     print(f"tokenrouter-edge: {msg}", file=sys.stderr)
     return 2
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from .audio_io import list_devices
-
     try:
         devs = list_devices()
     except DeviceError as e:
@@ -101,9 +74,6 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: bool = True, engines: Any = None,
                   first_audio_only: bool = False) -> dict:
     """One turn from IN.wav to OUT.wav; returns the `--json` object. Raises AudioFileError, NoSpeechError."""
-    from .audio_io import FileSink, FileSource
-    from .pipeline import Engines, VoicePipeline
-
     source = FileSource(in_path, realtime=realtime)  # validates the WAV before any model loads
     engines = engines or Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt)
     sink = FileSink(engines.synth.rate, realtime=realtime)
@@ -141,12 +111,6 @@ def latency_table(obj: dict) -> str:
 
 
 def cmd_file(args: argparse.Namespace) -> int:
-    from edge_client.cli import options_from_args
-    from edge_client.generator import open_generator
-
-    from .audio_io import FileSource
-    from .pipeline import NoSpeechError
-
     try:
         FileSource(args.input)  # fail fast on a bad file, before loading models
         vopts = voice_options_from_args(args)
@@ -169,8 +133,6 @@ def cmd_file(args: argparse.Namespace) -> int:
 
 
 def cmd_listen(args: argparse.Namespace) -> int:
-    from .app import run_app
-
     try:
         return run_app(args)
     except DeviceError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..answer import Answer, TokenEvent
+from .endofturn import TurnDecision
 from .timings import TurnTimings
 
 
@@ -55,6 +56,8 @@ class TurnDone:
     interrupted: bool
     timings: TurnTimings = field(default_factory=TurnTimings)
     reset: bool = False  # the person asked to reset the conversation
+    end_of_turn: TurnDecision | None = None  # why the turn ended when it did
+    draft: str = "off"  # the reply drafted from a partial transcript: "hit" (released), "miss", "none" (no draft), "off"
 
 
 @dataclass(frozen=True, slots=True)

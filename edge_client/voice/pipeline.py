@@ -20,6 +20,19 @@ partial, about one time in three), and generation pauses while Piper renders
 the first clause (on a small CPU the two compete, and the first audio is what
 the person waits for).
 
+End of turn (endofturn.py): at each pause Smart Turn judges the audio and the
+speculative transcript is checked for a mid-phrase ending; a turn that sounds
+finished ends after `turn.min_wait_ms` of silence, one that sounds unfinished
+after `turn.max_wait_ms`. The speculative answer still starts at the first
+silent frame; its audio stays held until the turn is judged over.
+
+Drafts: while the person speaks, each partial transcript whose words changed
+starts a held draft of the answer (its first clause generated and synthesised,
+then generation parks). If the speculative final transcript has the same
+words, the draft becomes the turn and its audio is released the moment the
+turn ends; otherwise it is cancelled (the generator keeps the prompt prefix
+both share, so a miss costs the turn little).
+
 Barge-in (full duplex): speech onset during playback pauses the speaker at
 once; `barge_in_min_ms` of speech confirms the interruption (generation stops,
 history keeps only what was played); a shorter sound resumes playback.
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -41,6 +55,7 @@ from ..answer import Answer, TokenEvent
 from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber
 from .audio_io import FileSource, Frame, PlaybackBuffer
 from .dialogue import Dialogue, DialogueOptions
+from .endofturn import EndOfTurn, SmartTurn, TurnDecision, TurnOptions, load_end_of_turn
 from .events import (
     AnswerToken,
     Event,
@@ -59,6 +74,15 @@ from .worker import LatestJobWorker
 
 
 log = logging.getLogger(__name__)
+
+
+def same_words(a: str, b: str) -> bool:
+    """Two transcripts say the same words (case and punctuation aside): a draft made from one answers the other."""
+    return _words(a) == _words(b)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
 
 
 class NoSpeechError(RuntimeError):
@@ -80,6 +104,8 @@ class VoiceOptions:
     prefill_partials: bool = True  # prefill the prompt from the stable partial transcript while the person speaks
     prefill_complete: bool = True  # prefill each partial's whole prompt, template tail included (not just up to its last word)
     first_chunk_priority: bool = True  # pause generation while the first clause is synthesised
+    turn: TurnOptions = field(default_factory=TurnOptions)  # end of turn: Smart Turn + transcript, adaptive wait
+    draft: bool = True  # draft the reply's first clause from partial transcripts while the person speaks
     max_utterance_s: float = 28.0
 
 
@@ -102,14 +128,29 @@ class Source(Protocol):
 class Engines:
     """The models, loaded once and shared by every pipeline run (VAD is per pipeline: it has state)."""
 
-    def __init__(self, gen: Any, asr: AsrOptions | None = None, tts: TtsOptions | None = None, system_prompt: str | None = None) -> None:
+    def __init__(
+        self,
+        gen: Any,
+        asr: AsrOptions | None = None,
+        tts: TtsOptions | None = None,
+        system_prompt: str | None = None,
+        turn: TurnOptions | None = None,
+    ) -> None:
         self.gen = gen
         self.transcriber = Transcriber(asr)
         self.synth = Synthesizer(tts)
+        # The end-of-turn model (None when turns end on silence alone, or it fell back: see turn_note).
+        self.smart_turn, self.turn_note = load_end_of_turn(turn or TurnOptions())
         self.transcriber.transcribe(np.zeros(16000, np.float32))  # warm-up
         # Prefill the system prompt once (edge and cloud), so the first turn does not pay for it.
         prompt = system_prompt or DialogueOptions().system_prompt
         gen.generate([{"role": "system", "content": prompt}, {"role": "user", "content": "Hello."}], max_tokens=1)
+
+    def end_of_turn(self, opts: TurnOptions) -> EndOfTurn:
+        """The judge for a pipeline's options; loads the model now if these engines were built without it."""
+        if opts.mode == "smart" and self.smart_turn is None and not self.turn_note:
+            self.smart_turn, self.turn_note = load_end_of_turn(opts)
+        return EndOfTurn(opts, self.smart_turn if opts.mode == "smart" else None, self.turn_note)
 
 
 class Prefiller:
@@ -146,16 +187,24 @@ class Prefiller:
 class Turn:
     """One answer: generation -> clause chunks -> Piper -> (held or live) playback."""
 
-    def __init__(self, p: "VoicePipeline", user_text: str, timings: TurnTimings, held: bool) -> None:
+    def __init__(self, p: "VoicePipeline", user_text: str, timings: TurnTimings, held: bool, draft: bool = False) -> None:
         self.p = p
         self.user_text = user_text
         self.timings = timings
+        # A draft parks its generation once the first clause is cut, until adopted (or cancelled):
+        # only the first clause is worth computing before the transcript is known to be final.
+        self.draft = draft
+        self._adopted = threading.Event()
+        if not draft:
+            self._adopted.set()
         self.stop = threading.Event()
         self.answer: Answer | None = None
         self.error: BaseException | None = None
         self.segments: list[list[Any]] = []  # [text, samples queued in sink rate]
         self.synth_done = threading.Event()
         self.released = not held
+        self.end_of_turn: TurnDecision | None = None
+        self.draft_outcome = "off"
         self._held_audio: list[np.ndarray] = []
         self._held_tokens: list[TokenEvent] = []
         self._lock = threading.Lock()
@@ -176,7 +225,11 @@ class Turn:
         def on_token(ev: TokenEvent) -> None:
             self.timings.mark("llm_first_token", time.monotonic())
             self._tokq.put(ev)
-            self._gen_may_run.wait(0.5)
+            deadline = time.monotonic() + 0.5
+            while not self._gen_may_run.wait(0.05) and not self.stop.is_set():
+                parked = self.segments and not self._adopted.is_set()
+                if not parked and time.monotonic() > deadline:
+                    break
 
         try:
             self.answer = self.p.engines.gen.generate(messages, max_tokens=self.p.opts.max_tokens, on_token=on_token, stop=self.stop)
@@ -208,7 +261,10 @@ class Turn:
                         break
                     self.timings.mark("tts_first_audio", time.monotonic())
                     seg[1] += self._audio(audio)
-                self._gen_may_run.set()
+                if self._adopted.is_set():
+                    self._gen_may_run.set()
+                else:  # a draft: park generation after the first clause
+                    self._gen_may_run.clear()
             if item is None:
                 break
         if self.error is not None:
@@ -239,6 +295,24 @@ class Turn:
             self.released = True
         for ev in tokens:
             self.p.emit(AnswerToken(ev))
+
+    def adopt(self, user_text: str, timings: TurnTimings) -> None:
+        """A draft becomes the turn: the final transcript has its words. Its stage marks (made while the
+        person was still speaking) move to the turn's timings, and generation resumes, still held."""
+        with self._lock:
+            for stage in ("llm_first_token", "first_clause_ready", "tts_first_audio"):
+                t = getattr(self.timings, stage)
+                if t is not None:
+                    timings.mark(stage, t)
+            self.timings = timings
+            self.user_text = user_text
+        self._adopted.set()
+        self._gen_may_run.set()
+
+    @property
+    def ready(self) -> bool:
+        """The first clause's audio is synthesised (held or queued)."""
+        return self.timings.tts_first_audio is not None
 
     def cancel(self) -> None:
         self.stop.set()
@@ -281,6 +355,11 @@ class _Utterance:
     spec_text: str | None = None
     spec_turn: Turn | None = None
     endpointed: bool = False
+    decision: TurnDecision | None = None  # the end-of-turn judgement of the current pause
+    pauses: int = 0  # pauses the person resumed from
+    pause_no: int = 0  # numbers the pauses, so a late Smart Turn result for an earlier one is ignored
+    draft: Turn | None = None  # the reply drafted from a partial transcript (held, parked after its first clause)
+    draft_outcome: str = "none"
 
 
 class VoicePipeline:
@@ -308,6 +387,7 @@ class VoicePipeline:
         self._lock = threading.RLock()
         self._utt: _Utterance | None = None
         self._utt_id = 0
+        self._last_decision: tuple[TurnDecision | None, str] = (None, "off")
         self._playing: Turn | None = None
         self._preroll: deque[np.ndarray] = deque(maxlen=max(1, int(self.opts.vad.preroll_ms / 1000 / FRAME_S)))
         self._pending = np.zeros(0, np.float32)
@@ -317,6 +397,11 @@ class VoicePipeline:
         self._first_audio_only = False
         self._asr = AsrWorker(engines.transcriber, self._on_asr)
         self._prefiller = Prefiller(engines.gen, self._prefill_wanted) if self.opts.prefill_partials else None
+        self.eot = engines.end_of_turn(self.opts.turn)
+        # Smart Turn takes ~85 ms on one busy core here: on its own thread, so frames keep flowing.
+        self._eot_worker: LatestJobWorker[tuple[int, int, np.ndarray]] | None = (
+            LatestJobWorker("end-of-turn", self._judge_audio) if self.eot.smart else None
+        )
 
     @property
     def prefilled_tokens(self) -> int:
@@ -340,6 +425,8 @@ class VoicePipeline:
         self._first_audio_only = first_audio_only
         self.sink.start()
         self.source.start()
+        if self.eot.fallback_note:
+            self.emit(Notice("warning", self.eot.fallback_note))
         self.emit(Listening())
         try:
             for frame in self.source.frames(stop):
@@ -351,7 +438,7 @@ class VoicePipeline:
                     self._check_no_speech(frame)
         finally:
             with self._lock:
-                for t in (self._playing, self._utt.spec_turn if self._utt else None):
+                for t in (self._playing, self._utt.spec_turn if self._utt else None, self._utt.draft if self._utt else None):
                     if t is not None:
                         t.cancel()
             self.source.close()
@@ -359,6 +446,8 @@ class VoicePipeline:
             self._asr.close()
             if self._prefiller is not None:
                 self._prefiller.close()
+            if self._eot_worker is not None:
+                self._eot_worker.close()
         return self.turns
 
     def _check_no_speech(self, frame: Frame) -> None:
@@ -413,7 +502,10 @@ class VoicePipeline:
             self.emit(SpeechStarted(ep.onset_t))
         elif ev is Ev.PAUSE:
             self._silence_ms = FRAME_S * 1000
+            self._on_pause()
         elif ev is Ev.RESUME:
+            if self._utt is not None:
+                self._utt.pauses += 1
             self._drop_speculation()
         elif ev is Ev.END:
             self._endpoint(t)
@@ -439,6 +531,47 @@ class VoicePipeline:
             u.last_partial_samples = n
             self._asr.submit(AsrJob(self._utt_id, "partial", np.concatenate(u.audio), t))
 
+    def _on_pause(self) -> None:
+        """First silent frame: open this pause's end-of-turn judgement (Smart Turn on its own thread)."""
+        u = self._utt
+        if u is None:
+            return
+        u.pause_no += 1
+        u.decision = self.eot.new_decision(u.pauses)
+        if self.eot.smart:
+            self.endpointer.stop_delay_ms = self.eot.opts.max_wait_ms  # until the judgement says otherwise
+            assert self._eot_worker is not None
+            self._eot_worker.submit((self._utt_id, u.pause_no, np.concatenate(u.audio)))
+        else:
+            u.decision.wait_ms = self.endpointer.stop_delay_ms
+
+    def _judge_audio(self, job: tuple[int, int, np.ndarray]) -> None:
+        """End-of-turn thread: Smart Turn on the audio up to the pause."""
+        utt_id, pause_no, audio = job
+        with self._lock:
+            u = self._utt
+            if u is None or utt_id != self._utt_id or pause_no != u.pause_no or u.decision is None:
+                return
+            d = u.decision
+        try:
+            self.eot.judge_audio(d, audio)
+        except Exception as e:  # keep listening: the turn then ends after the long wait
+            self.emit(Notice("warning", f"end-of-turn model failed: {e}"))
+            return
+        with self._lock:
+            if self._utt is u and u.pause_no == pause_no:
+                self._set_wait(u)
+
+    def _set_wait(self, u: _Utterance) -> None:
+        """Both inputs in (the audio's judgement and, with the text cue, the transcript): set the pause's wait."""
+        if u.decision is None or u.endpointed or self.endpointer.state != "pause":
+            return
+        text_known = u.spec_text is not None or not self.opts.speculative
+        wait = self.eot.wait_ms(u.decision, self.opts.vad.stop_delay_ms, text_known)
+        if wait is not None:
+            u.decision.wait_ms = wait
+            self.endpointer.stop_delay_ms = wait
+
     def _drop_speculation(self) -> None:
         u = self._utt
         if u is None:
@@ -457,6 +590,10 @@ class VoicePipeline:
         u.endpointed = True
         u.timings.speech_end = self.endpointer.last_voiced_t
         u.timings.endpoint_decided = time.monotonic()
+        if u.decision is None:  # max utterance length reached while speaking
+            u.decision = self.eot.new_decision(u.pauses)
+            u.decision.note = "utterance too long"
+        u.decision.wait_ms = int(round(self._silence_ms)) if self.endpointer.state == "idle" else 0
         if u.spec_voiced_t == self.endpointer.last_voiced_t:
             if u.spec_text is not None:  # speculative decode done: its text is final
                 self._final(u, u.spec_text)
@@ -475,20 +612,52 @@ class VoicePipeline:
                 if not u.endpointed and u.spec_voiced_t is None:
                     stable, unstable = self.agreement.update(r.text)
                     self.emit(PartialTranscript(stable, unstable))
-                    # The whole hypothesis, not just the stable words: a wrong guess costs only
-                    # the tokens after the first difference (generate keeps the common prefix).
-                    if self._prefiller is not None and len(r.text.split()) >= 2 and self._playing is None:
-                        self._prefiller.submit(self._utt_id, self.dialogue.messages(r.text), complete=self.opts.prefill_complete)
+                    if len(r.text.split()) >= 2 and self._playing is None:
+                        if self.opts.draft and not Dialogue.is_reset_command(r.text):
+                            self._draft(u, r.text)
+                        elif self._prefiller is not None:
+                            # The whole hypothesis, not just the stable words: a wrong guess costs only
+                            # the tokens after the first difference (generate keeps the common prefix).
+                            self._prefiller.submit(
+                                self._utt_id, self.dialogue.messages(r.text), complete=self.opts.prefill_complete
+                            )
                 return
             if r.job.upto_t != u.spec_voiced_t:  # speech resumed after this decode started
                 return
             u.timings.asr_final = r.done_t
+            u.spec_text = r.text
+            if u.decision is not None:
+                self.eot.judge_text(u.decision, r.text)
+            if r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
+                u.spec_turn = self._take_draft(u, r.text) or Turn(self, r.text, u.timings, held=True)
+            elif u.draft is not None:
+                u.draft.cancel()
+                u.draft, u.draft_outcome = None, "miss"
             if u.endpointed:
                 self._final(u, r.text)
                 return
-            u.spec_text = r.text
-            if r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
-                u.spec_turn = Turn(self, r.text, u.timings, held=True)
+            self._set_wait(u)
+
+    def _draft(self, u: _Utterance, text: str) -> None:
+        """A partial transcript: draft the reply from it unless the current draft has the same words."""
+        if u.draft is not None:
+            if same_words(u.draft.user_text, text):
+                return
+            u.draft.cancel()
+        u.draft = Turn(self, text, TurnTimings(), held=True, draft=True)
+
+    def _take_draft(self, u: _Utterance, text: str) -> Turn | None:
+        """The speculative final transcript is in: the draft becomes the turn if it has the same words."""
+        d, u.draft = u.draft, None
+        if d is None:
+            return None
+        if same_words(d.user_text, text) and not d.stop.is_set():
+            u.draft_outcome = "hit"
+            d.adopt(text, u.timings)
+            return d
+        d.cancel()
+        u.draft_outcome = "miss"
+        return None
 
     def _prefill_wanted(self, utt_id: int) -> bool:
         """A prefill request is still useful: same utterance, still speaking, nothing generating."""
@@ -499,6 +668,9 @@ class VoicePipeline:
     def _final(self, u: _Utterance, text: str) -> None:
         """The endpoint is decided and the transcript is final: answer (or reset)."""
         self._utt = None
+        self._last_decision = (u.decision, u.draft_outcome if self.opts.draft else "off")
+        if u.draft is not None:
+            u.draft.cancel()
         text = text.strip()
         self.emit(FinalTranscript(text))
         if not text:
@@ -507,7 +679,9 @@ class VoicePipeline:
             return
         if Dialogue.is_reset_command(text):
             self.dialogue.reset()
-            done = TurnDone(text, None, "", False, u.timings, reset=True)
+            if u.spec_turn is not None:
+                u.spec_turn.cancel()
+            done = TurnDone(text, None, "", False, u.timings, reset=True, end_of_turn=u.decision)
             self.turns.append(done)
             self.emit(done)
             self.emit(Notice("info", "conversation reset"))
@@ -518,6 +692,7 @@ class VoicePipeline:
             turn = Turn(self, text, u.timings, held=False)
         else:
             turn.release()
+        turn.end_of_turn, turn.draft_outcome = self._last_decision
         self._playing = turn
 
     # ------------------------------------------------------------------ playback and barge-in
@@ -538,7 +713,8 @@ class VoicePipeline:
         self._playing = None
         text = turn.full_text.strip()
         self.dialogue.add_exchange(turn.user_text, text)
-        done = TurnDone(turn.user_text, turn.answer, text, False, turn.timings)
+        done = TurnDone(turn.user_text, turn.answer, text, False, turn.timings, end_of_turn=turn.end_of_turn,
+                        draft=turn.draft_outcome)
         self.turns.append(done)
         self.vad.reset()
         self.endpointer.reset()
@@ -560,6 +736,7 @@ class VoicePipeline:
         self._playing = None
         self.dialogue.add_exchange(turn.user_text, heard)
         self.emit(Interruption(onset_t, t_stopped, heard))
-        done = TurnDone(turn.user_text, turn.answer, heard, True, turn.timings)
+        done = TurnDone(turn.user_text, turn.answer, heard, True, turn.timings, end_of_turn=turn.end_of_turn,
+                        draft=turn.draft_outcome)
         self.turns.append(done)
         self.emit(done)

@@ -67,11 +67,16 @@ class Ev(enum.Enum):
 
 
 class Endpointer:
-    """State machine over per-frame speech probabilities; times are the frames' capture times."""
+    """State machine over per-frame speech probabilities; times are the frames' capture times.
+
+    `stop_delay_ms` is the silence that ends the current pause; it starts at the option's value at
+    each pause, and the end-of-turn judge (endofturn.py) may change it while the pause lasts.
+    """
 
     def __init__(self, opts: VadOptions) -> None:
         self.opts = opts
         self.min_speech_ms = opts.min_speech_ms
+        self.stop_delay_ms = opts.stop_delay_ms
         self.reset()
 
     def reset(self) -> None:
@@ -109,13 +114,19 @@ class Endpointer:
                 self.last_voiced_t = t_end
                 return None
             self.state, self._silent_ms = "pause", ms
+            self.stop_delay_ms = o.stop_delay_ms
             return Ev.PAUSE
         # pause
         if voiced:
             self.state, self.last_voiced_t = "speech", t_end
             return Ev.RESUME
         self._silent_ms += ms
-        if self._silent_ms >= o.stop_delay_ms:
+        if self._silent_ms >= self.stop_delay_ms:
             self.state = "idle"
             return Ev.END
         return None
+
+    @property
+    def silent_ms(self) -> float:
+        """Silence so far in the current pause."""
+        return self._silent_ms if self.state == "pause" else 0.0

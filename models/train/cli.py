@@ -1,9 +1,9 @@
 """`tokenrouter-train`: label | fit | eval | reproduce.
 
-    tokenrouter-train label --split train:240 --split oos_train:40 --out labels/train
-    tokenrouter-train fit --train labels/train --val labels/val --out router.npz
-    tokenrouter-train eval --split val --limit 40 --json
-    tokenrouter-train reproduce      # label + fit the shipped router for the default pair
+tokenrouter-train label --split train:240 --split oos_train:40 --out labels/train
+tokenrouter-train fit --train labels/train --val labels/val --out router.npz
+tokenrouter-train eval --split val --limit 40 --json
+tokenrouter-train reproduce      # label + fit the shipped router for the default pair
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ import time
 from pathlib import Path
 
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir
+from models.train.evaluate import EvalOptions, evaluate, plot, write_json
+from models.train.fit import FitOptions, fit
+from models.train.label import LabelOptions, label
+from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
+from models.train.report import write_report
+from shared.decision import TIE_NATS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROUTERS_DIR = REPO_ROOT / "models" / "routers"
@@ -31,14 +37,10 @@ SHIP_GROUPS = (
 )
 # then DAgger-style rounds: each labels new train prompts along the paths the previous round's
 # router routes (`label --routed-by`), and the next router is fitted on everything so far
-SHIP_ROUTED_ROUNDS = (
-    ("train-routed", ("train:640",), 3),
-)
+SHIP_ROUTED_ROUNDS = (("train-routed", ("train:640",), 3),)
 
 
 def _prompts(args: argparse.Namespace) -> tuple[list[str], str]:
-    from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
-
     if args.prompts:
         return file_prompts(args.prompts)[: args.limit] if args.limit else file_prompts(args.prompts), str(args.prompts)
     out: list[str] = []
@@ -49,7 +51,9 @@ def _prompts(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tokenrouter-train", description="train and evaluate TokenRouter's learned router")
+    ap = argparse.ArgumentParser(
+        prog="tokenrouter-train", description="train and evaluate TokenRouter's learned router"
+    )
     ap.add_argument("--log-level", default="warning")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -57,13 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
         p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
         p.add_argument("--max-tokens", type=int, default=48, help="answer tokens per prompt")
-        p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (1 is fastest on a busy 2-core machine)")
+        p.add_argument(
+            "--threads", type=int, default=1, help="llama.cpp threads (1 is fastest on a busy 2-core machine)"
+        )
 
     def prompt_source(p: argparse.ArgumentParser, default_split: str) -> None:
-        p.add_argument("--split", action="append", help=f"CLINC150 split, NAME or NAME:COUNT, repeatable (default {default_split})")
+        p.add_argument(
+            "--split", action="append", help=f"CLINC150 split, NAME or NAME:COUNT, repeatable (default {default_split})"
+        )
         p.add_argument("--prompts", metavar="FILE", help="one prompt per line (instead of CLINC150)")
         p.add_argument("--limit", type=int, default=None, help="prompts per split (even stride through it)")
-        p.add_argument("--offset", type=int, default=0, help="shift the stride (keeps two selections of one split apart)")
+        p.add_argument(
+            "--offset", type=int, default=0, help="shift the stride (keeps two selections of one split apart)"
+        )
 
     p = sub.add_parser("label", help="run both models over prompts and write labelled shards")
     models(p)
@@ -71,16 +81,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="shard directory (existing shards are kept: resumable)")
     p.add_argument("--prompts-per-shard", type=int, default=16)
     p.add_argument("--window", type=int, default=8, help="cloud rollout tokens per mismatch (divergence label)")
-    p.add_argument("--routed-by", type=Path, default=None, metavar="ROUTER",
-                   help="label the paths this router file routes (at 10-50%% cloud) instead of the cloud's path (DAgger-style)")
+    p.add_argument(
+        "--routed-by",
+        type=Path,
+        default=None,
+        metavar="ROUTER",
+        help="label the paths this router file routes (at 10-50%% cloud) instead of the cloud's path (DAgger-style)",
+    )
 
     p = sub.add_parser("fit", help="train the router MLP and export a numpy router file")
     p.add_argument("--train", nargs="+", required=True, help="shard files or directories (labelled or live)")
-    p.add_argument("--val", nargs="*", default=[], help="validation shards (default: hold out 15%% of training prompts)")
+    p.add_argument(
+        "--val", nargs="*", default=[], help="validation shards (default: hold out 15%% of training prompts)"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
-    p.add_argument("--label", default="regret", choices=("divergent", "mismatch", "regret", "soft-regret"), help="training target (default regret: best on the cloud-NLL measure, see docs/router.md)")
-    p.add_argument("--regret-nats", type=float, default=1.0, help="regret: the threshold; soft-regret: the scale of 1 - exp(-regret / N)")
-    p.add_argument("--early-stop", default="auc", choices=("auc", "regret"), help="validation criterion: AUC of the label, or the share of regret captured at 10-50%% cloud")
+    p.add_argument(
+        "--label",
+        default="regret",
+        choices=("divergent", "mismatch", "regret", "soft-regret"),
+        help="training target (default regret: best on the cloud-NLL measure, see docs/router.md)",
+    )
+    p.add_argument(
+        "--regret-nats",
+        type=float,
+        default=1.0,
+        help="regret: the threshold; soft-regret: the scale of 1 - exp(-regret / N)",
+    )
+    p.add_argument(
+        "--early-stop",
+        default="auc",
+        choices=("auc", "regret"),
+        help="validation criterion: AUC of the label, or the share of regret captured at 10-50%% cloud",
+    )
     p.add_argument("--hidden-units", type=int, default=32)
     p.add_argument("--epochs", type=int, default=80)
     p.add_argument("--dropout", type=float, default=0.3, help="input dropout")
@@ -96,19 +128,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=2, help="prompts decoded together (29 configurations each)")
-    p.add_argument("--also", type=Path, action="append", default=[], metavar="ROUTER",
-                   help="another learned router file to evaluate side by side in the same run (repeatable)")
-    p.add_argument("--lookahead", action="append", default=[], choices=["learned", "entropy", "random"],
-                   help="also run METHOD with the cloud's next-token guess after each routed token, as METHOD+lookahead@NATS (repeatable; docs/router.md)")
-    p.add_argument("--lookahead-nats", type=float, action="append", default=[], metavar="NATS",
-                   help="take a guess only where the device's token is NATS less likely to the cloud (repeatable; default 1)")
-    p.add_argument("--verify", action="append", default=[], choices=["learned", "entropy", "random"],
-                   help="also run METHOD with the cloud checking every device token, as METHOD+verify@NATS (repeatable; docs/router.md)")
-    p.add_argument("--verify-nats", type=float, action="append", default=[], metavar="NATS",
-                   help="the check rejects a device token NATS less likely to the cloud than its own choice (repeatable; default 1)")
-    p.add_argument("--verify-from", action="append", default=[], choices=["all", "after-first-clause"],
-                   help="where the check starts: the whole answer (METHOD+verify@NATS, the default) or after the first clause, which "
-                        "is written with lookahead (METHOD+verify@NATS:after-first-clause; the generator's --check after-first-clause); repeatable")
+    p.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="ROUTER",
+        help="another learned router file to evaluate side by side in the same run (repeatable)",
+    )
+    p.add_argument(
+        "--lookahead",
+        action="append",
+        default=[],
+        choices=["learned", "entropy", "random"],
+        help="also run METHOD with the cloud's next-token guess after each routed token, as METHOD+lookahead@NATS (repeatable; docs/router.md)",
+    )
+    p.add_argument(
+        "--lookahead-nats",
+        type=float,
+        action="append",
+        default=[],
+        metavar="NATS",
+        help="take a guess only where the device's token is NATS less likely to the cloud (repeatable; default 1)",
+    )
+    p.add_argument(
+        "--verify",
+        action="append",
+        default=[],
+        choices=["learned", "entropy", "random"],
+        help="also run METHOD with the cloud checking every device token, as METHOD+verify@NATS (repeatable; docs/router.md)",
+    )
+    p.add_argument(
+        "--verify-nats",
+        type=float,
+        action="append",
+        default=[],
+        metavar="NATS",
+        help="the check rejects a device token NATS less likely to the cloud than its own choice (repeatable; default 1)",
+    )
+    p.add_argument(
+        "--tie-nats",
+        type=float,
+        default=TIE_NATS,
+        metavar="NATS",
+        help=f"a device token within NATS of the cloud's best counts as the cloud's choice (default {TIE_NATS}; "
+        "shared/decision.py; 0 reproduces evaluations made before the tie rule)",
+    )
+    p.add_argument(
+        "--verify-from",
+        action="append",
+        default=[],
+        choices=["all", "after-first-clause"],
+        help="where the check starts: the whole answer (METHOD+verify@NATS, the default) or after the first clause, which "
+        "is written with lookahead (METHOD+verify@NATS:after-first-clause; the generator's --check after-first-clause); repeatable",
+    )
 
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
@@ -118,22 +191,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_label(args: argparse.Namespace) -> None:
-    from models.train.label import LabelOptions, label
-
     if not args.split and not args.prompts:
         args.split = ["train"]
     prompts, source = _prompts(args)
     t0 = time.perf_counter()
-    opts = LabelOptions(args.edge_model, args.cloud_model, args.out, max_tokens=args.max_tokens, prompts_per_shard=args.prompts_per_shard, window=args.window, threads=args.threads,
-                        route_with=args.routed_by)
+    opts = LabelOptions(
+        args.edge_model,
+        args.cloud_model,
+        args.out,
+        max_tokens=args.max_tokens,
+        prompts_per_shard=args.prompts_per_shard,
+        window=args.window,
+        threads=args.threads,
+        route_with=args.routed_by,
+    )
     paths = label(prompts, opts)
-    print(f"labelled {len(prompts)} prompts from {source} into {len(paths)} shards in {args.out} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    print(
+        f"labelled {len(prompts)} prompts from {source} into {len(paths)} shards in {args.out} ({time.perf_counter() - t0:.0f}s)",
+        file=sys.stderr,
+    )
 
 
 def cmd_fit(args: argparse.Namespace) -> dict:
-    from models.train.fit import FitOptions, fit
-    from models.train.report import write_report
-
     opts = FitOptions(
         train=args.train,
         val=args.val,
@@ -151,19 +230,33 @@ def cmd_fit(args: argparse.Namespace) -> dict:
     stem = args.report or args.out.with_suffix("")
     write_report(report, Path(str(stem) + ".report"))
     m = report["metrics"]
-    print(f"wrote {args.out} ({report['size_bytes'] / 1e3:.0f} kB): val AUC {m['auc']} ({m['label']}), divergent {m['auc_divergent']} vs entropy {m['entropy_auc_divergent']}", file=sys.stderr)
+    print(
+        f"wrote {args.out} ({report['size_bytes'] / 1e3:.0f} kB): val AUC {m['auc']} ({m['label']}), divergent {m['auc_divergent']} vs entropy {m['entropy_auc_divergent']}",
+        file=sys.stderr,
+    )
     return report
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from models.train.evaluate import EvalOptions, evaluate, plot, write_json
-
     if not args.split and not args.prompts:
         args.split = ["val"]
     prompts, source = _prompts(args)
-    opts = EvalOptions(args.router, args.edge_model, args.cloud_model, max_tokens=args.max_tokens, threads=args.threads, seed=args.seed, prompts_per_batch=args.batch,
-                       also=tuple(args.also), lookahead=tuple(args.lookahead), lookahead_nats=tuple(args.lookahead_nats or [1.0]),
-                       verify=tuple(args.verify), verify_nats=tuple(args.verify_nats or [1.0]), verify_from=tuple(args.verify_from or ["all"]))
+    opts = EvalOptions(
+        args.router,
+        args.edge_model,
+        args.cloud_model,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+        seed=args.seed,
+        prompts_per_batch=args.batch,
+        also=tuple(args.also),
+        lookahead=tuple(args.lookahead),
+        lookahead_nats=tuple(args.lookahead_nats or [1.0]),
+        verify=tuple(args.verify),
+        verify_nats=tuple(args.verify_nats or [1.0]),
+        verify_from=tuple(args.verify_from or ["all"]),
+        tie_nats=args.tie_nats,
+    )
     bar = None
     if not args.json:
         try:
@@ -183,36 +276,57 @@ def cmd_eval(args: argparse.Namespace) -> None:
     else:
         gap = result["gap_recovered_at_30"]
         ci = result["gap_recovered_at_30_ci95"]
-        print(f"{len(prompts)} prompts ({source}) in {result['seconds']}s; gap recovered at 30% cloud tokens (95% interval over prompts): "
-              + ", ".join(f"{k} {v:.0%} ({ci[k][0]:.0%}..{ci[k][1]:.0%})" if not math.isnan(v) else f"{k} n/a" for k, v in gap.items()))
+        print(
+            f"{len(prompts)} prompts ({source}) in {result['seconds']}s; gap recovered at 30% cloud tokens (95% interval over prompts): "
+            + ", ".join(
+                f"{k} {v:.0%} ({ci[k][0]:.0%}..{ci[k][1]:.0%})" if not math.isnan(v) else f"{k} n/a"
+                for k, v in gap.items()
+            )
+        )
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
-    from models.train.label import LabelOptions, label
-    from models.train.prompts import clinc_prompts, parse_split_spec
-
     work = args.work or cache_dir() / "labels" / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}"
     t0 = time.perf_counter()
 
     def label_group(sub: str, specs: tuple[str, ...], offset: int, routed_by: Path | None = None) -> None:
         prompts = [q for spec in specs for q in clinc_prompts(*parse_split_spec(spec), offset=offset)]
-        label(prompts, LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, work / sub, prompts_per_shard=16, threads=args.threads, route_with=routed_by))
+        label(
+            prompts,
+            LabelOptions(
+                DEFAULT_EDGE_MODEL,
+                DEFAULT_CLOUD_MODEL,
+                work / sub,
+                prompts_per_shard=16,
+                threads=args.threads,
+                route_with=routed_by,
+            ),
+        )
 
     def fit_on(subs: list[str], out: Path) -> None:
-        cmd_fit(build_parser().parse_args(["fit", "--train", *(str(work / s) for s in subs), "--val", str(work / "val"), "--out", str(out)]))
+        cmd_fit(
+            build_parser().parse_args(
+                ["fit", "--train", *(str(work / s) for s in subs), "--val", str(work / "val"), "--out", str(out)]
+            )
+        )
 
     for sub, specs, offset in SHIP_GROUPS:
         label_group(sub, specs, offset)
     subs = [sub for sub, _, _ in SHIP_GROUPS if sub != "val"]
-    rounds = [(work / f"router-round{i}.npz", group) for i, group in enumerate(SHIP_ROUTED_ROUNDS)]  # intermediate routers
+    rounds = [
+        (work / f"router-round{i}.npz", group) for i, group in enumerate(SHIP_ROUTED_ROUNDS)
+    ]  # intermediate routers
     router = rounds[0][0] if rounds else args.out
     fit_on(subs, router)
     for i, (router, (sub, specs, offset)) in enumerate(rounds):
         label_group(sub, specs, offset, routed_by=router)
         subs.append(sub)
         fit_on(subs, rounds[i + 1][0] if i + 1 < len(rounds) else args.out)
-    print(f"reproduced {args.out} in {time.perf_counter() - t0:.0f}s (intermediate routers: {', '.join(str(r) for r, _ in rounds) or 'none'})", file=sys.stderr)
+    print(
+        f"reproduced {args.out} in {time.perf_counter() - t0:.0f}s (intermediate routers: {', '.join(str(r) for r, _ in rounds) or 'none'})",
+        file=sys.stderr,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,16 +42,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edge_client.decoder import ClauseEnds
-from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import model_info
 from models.train.label import chat
 from models.train.pair import PairStepper, log_softmax_row
-from shared.textmetrics import rouge_l_f1, token_agreement
+from shared.decision import TIE_NATS, AnswerRule, ClauseEnds, RuleOptions, Step, cloud_choice, judge_draft
 from shared.learned_router import LearnedRouter, RouterFile
+from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
+from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter, RandomRouter
-from shared.sampling import Guess, regret
+from shared.sampling import Guess, Sampler
+from shared.textmetrics import rouge_l_f1, token_agreement
 
 METHODS = ("learned", "entropy", "random")
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -70,11 +72,22 @@ class EvalOptions:
     seed: int = 0
     progress: bool = True
     also: tuple[Path, ...] = ()  # more learned routers, evaluated side by side
-    lookahead: tuple[str, ...] = ()  # methods also run with the cloud's next-token guess, as "<method>+lookahead@<nats>"
-    lookahead_nats: tuple[float, ...] = (1.0,)  # take a guess when the device's token is this much less likely to the cloud
-    verify: tuple[str, ...] = ()  # methods also run with the cloud's check of every device token, as "<method>+verify@<nats>"
+    lookahead: tuple[
+        str, ...
+    ] = ()  # methods also run with the cloud's next-token guess, as "<method>+lookahead@<nats>"
+    lookahead_nats: tuple[float, ...] = (
+        1.0,
+    )  # take a guess when the device's token is this much less likely to the cloud
+    verify: tuple[
+        str, ...
+    ] = ()  # methods also run with the cloud's check of every device token, as "<method>+verify@<nats>"
     verify_nats: tuple[float, ...] = (1.0,)  # the check overrules a device token this much less likely to the cloud
-    verify_from: tuple[str, ...] = ("all",)  # "all" and/or "after-first-clause" (then as "<method>+verify@<nats>:after-first-clause")
+    verify_from: tuple[str, ...] = (
+        "all",
+    )  # "all" and/or "after-first-clause" (then as "<method>+verify@<nats>:after-first-clause")
+    tie_nats: float = (
+        TIE_NATS  # a device token this close to the cloud's best counts as the cloud's choice (shared/decision.py)
+    )
 
 
 @dataclass(slots=True)
@@ -85,22 +98,23 @@ class _Run:
     policy: RoutingPolicy | None  # None: edge-only / cloud-only
     router: Any = None
     cloud_only: bool = False
-    lookahead: bool = False  # after a round-trip cloud token, the guess that came with it decides the next position:
-    lookahead_nats: float = 0.0  # taken where the device's token is more than this regret worse to the cloud
-    guess_ready: bool = False
+    rule: AnswerRule | None = None  # the generator's per-position rule (shared/decision.py); None: the router alone
     guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
-    verify_nats: float | None = None  # the cloud checks every device token; one over this regret is rolled back and rewritten
     overruled: int = 0  # cloud tokens written where the check rejected the device's token
-    checking: bool = False  # the check covers this position (a verify run, from the start or after its first clause)
-    late_check: bool = False  # "after-first-clause": checking starts two tokens after the first clause end
-    after_clause_end: bool = False  # the last token ended the first clause
     tokens: list[int] = field(default_factory=list)
     routed: int = 0
     nll: float = 0.0
     done: bool = False
 
 
-def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: int, extra: dict[str, RouterFile] | None = None) -> list[_Run]:
+def _runs_for(
+    prompt: int,
+    router_file: RouterFile,
+    opts: EvalOptions,
+    n_vocab: int,
+    clause_ends: ClauseEnds,
+    extra: dict[str, RouterFile] | None = None,
+) -> list[_Run]:
     runs = [_Run("edge-only", 0.0, prompt, None), _Run("cloud-only", 1.0, prompt, None, cloud_only=True)]
     learned = LearnedRouter(router_file)
     others = {name: LearnedRouter(rf) for name, rf in (extra or {}).items()}
@@ -111,34 +125,61 @@ def _runs_for(prompt: int, router_file: RouterFile, opts: EvalOptions, n_vocab: 
             continue
         thresholds = {
             "learned": learned.threshold_for_fraction(f),
-            "entropy": float(np.interp(f, [r["cloud_fraction"] for r in ent_table], [r["threshold"] for r in ent_table])),
+            "entropy": float(
+                np.interp(f, [r["cloud_fraction"] for r in ent_table], [r["threshold"] for r in ent_table])
+            ),
             "random": 1.0 - f,
         }
-        routers = {"learned": learned, "entropy": entropy, "random": RandomRouter(seed=opts.seed * 100003 + prompt * 101 + int(f * 100))}
+        routers = {
+            "learned": learned,
+            "entropy": entropy,
+            "random": RandomRouter(seed=opts.seed * 100003 + prompt * 101 + int(f * 100)),
+        }
         for name, r in others.items():
             thresholds[name], routers[name] = r.threshold_for_fraction(f), r
+
         def policy(m: str) -> RoutingPolicy:
             return RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0)))
 
-        runs += [_Run(m, f, prompt, policy(m), routers[m]) for m in thresholds]
-        runs += [_Run(f"{m}+lookahead@{nats:g}", f, prompt, policy(m), routers[m], lookahead=True, lookahead_nats=nats)
-                 for m in opts.lookahead for nats in opts.lookahead_nats]
-        runs += [_Run(f"{m}+verify@{nats:g}", f, prompt, policy(m), routers[m], verify_nats=nats, checking=True)
-                 for m in opts.verify for nats in opts.verify_nats if "all" in opts.verify_from]
-        runs += [_Run(f"{m}+verify@{nats:g}:after-first-clause", f, prompt, policy(m), routers[m], verify_nats=nats, late_check=True,
-                      lookahead=True, lookahead_nats=opts.lookahead_nats[0])
-                 for m in opts.verify for nats in opts.verify_nats if "after-first-clause" in opts.verify_from]
+        def rule(lookahead: bool = False, nats: float = 1.0, check: str = "off", check_nats: float = 1.0) -> AnswerRule:
+            return AnswerRule(RuleOptions(lookahead, nats, check, check_nats, opts.tie_nats), clause_ends)
+
+        runs += [_Run(m, f, prompt, policy(m), routers[m], rule=rule()) for m in thresholds]
+        runs += [
+            _Run(f"{m}+lookahead@{nats:g}", f, prompt, policy(m), routers[m], rule=rule(True, nats))
+            for m in opts.lookahead
+            for nats in opts.lookahead_nats
+        ]
+        runs += [
+            _Run(f"{m}+verify@{nats:g}", f, prompt, policy(m), routers[m], rule=rule(check="all", check_nats=nats))
+            for m in opts.verify
+            for nats in opts.verify_nats
+            if "all" in opts.verify_from
+        ]
+        runs += [
+            _Run(
+                f"{m}+verify@{nats:g}:after-first-clause",
+                f,
+                prompt,
+                policy(m),
+                routers[m],
+                rule=rule(True, opts.lookahead_nats[0], "after-first-clause", nats),
+            )
+            for m in opts.verify
+            for nats in opts.verify_nats
+            if "after-first-clause" in opts.verify_from
+        ]
     return runs
 
 
 def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    from shared.llama_backend import LlamaModel
-
     t0 = time.perf_counter()
     rf = RouterFile.load(opts.router_path)
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
     if edge_info.fingerprint != rf.meta["edge_fingerprint"]:
-        raise ValueError(f"{opts.router_path} was trained for edge model {rf.meta['edge_model']}, not {edge_info.name}; evaluate it with its own models")
+        raise ValueError(
+            f"{opts.router_path} was trained for edge model {rf.meta['edge_model']}, not {edge_info.name}; evaluate it with its own models"
+        )
     extra = {f"learned:{Path(p).stem}": RouterFile.load(p) for p in opts.also}
     for p, other in zip(opts.also, extra.values()):
         if other.meta["edge_fingerprint"] != rf.meta["edge_fingerprint"]:
@@ -148,14 +189,20 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     per = opts.prompts_per_batch
-    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab, extra))
+    clause_ends = ClauseEnds(edge.token_bytes, edge.is_eog)
+    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab, clause_ends, extra))
     longest = max(len(t) for t in tokens)
-    stepper = PairStepper(edge, cloud, n_seq=per * n_cfg, n_ctx=per * (longest + n_cfg * (opts.max_tokens + 2)) + 64, threads=opts.threads)
+    stepper = PairStepper(
+        edge, cloud, n_seq=per * n_cfg, n_ctx=per * (longest + n_cfg * (opts.max_tokens + 2)) + 64, threads=opts.threads
+    )
     runs: list[_Run] = []
     try:
         for start in range(0, len(prompts), per):
-            batch = [_runs_for(k, rf, opts, edge.n_vocab, extra) for k in range(start, min(start + per, len(prompts)))]
-            _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens)
+            batch = [
+                _runs_for(k, rf, opts, edge.n_vocab, clause_ends, extra)
+                for k in range(start, min(start + per, len(prompts)))
+            ]
+            _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens, opts.tie_nats)
             runs += [r for b in batch for r in b]
             if on_progress is not None:
                 on_progress(len(batch))
@@ -174,12 +221,13 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     return result
 
 
-def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[int]], max_tokens: int) -> None:
+def _decode(
+    stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[int]], max_tokens: int, tie_nats: float
+) -> None:
     """Routed greedy decoding of every run. Runs whose histories are equal share one llama
     sequence; when their next tokens differ the sequence is forked (KV cells shared), so
     e.g. edge-only and a 10% router run cost one sequence until the router first routes."""
     stepper.start([(p, [i]) for i, p in enumerate(prompts)])
-    clause_ends = ClauseEnds(stepper.edge)
     free = list(range(stepper.n_seq - 1, len(prompts) - 1, -1))
     seq_of: dict[int, int] = {}
     runs = [r for b in batch for r in b]
@@ -188,6 +236,8 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
             seq_of[id(r)] = i
             if r.policy is not None:
                 r.policy.start_answer()
+            if r.rule is not None:
+                r.rule.start_answer()
     active = list(runs)
     for _ in range(max_tokens):
         views = {v.seq: v for v in stepper.views()}
@@ -197,34 +247,18 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
             seq = seq_of[id(run)]
             v = views[seq]
             if (0, seq) not in cache:
-                cache[(0, seq)] = (int(np.argmax(v.cloud_logits)), int(np.argmax(v.edge_logits)), log_softmax_row(v.cloud_logits)[1])
+                cache[(0, seq)] = (
+                    int(np.argmax(v.cloud_logits)),
+                    int(np.argmax(v.edge_logits)),
+                    log_softmax_row(v.cloud_logits)[1],
+                )
             cloud_tok, proposed, lse = cache[(0, seq)]
-            hard = run.cloud_only
-            if run.guess_ready:  # the cloud sent its guess with its last token: the device's rule
-                if (1, seq) not in cache:
-                    cache[(1, seq)] = Guess.of(v.cloud_logits, cloud_tok)
-                hard = cache[(1, seq)].regret(proposed) > run.lookahead_nats
-                run.guessed += int(hard)
-                run.guess_ready = False
-            elif run.policy is not None:
-                key = (id(run.router), seq)
-                if isinstance(run.router, RandomRouter) or key not in cache:
-                    cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
-                hard = run.policy.decide(cache[key])
-                run.guess_ready = run.lookahead and hard and not run.checking
-            if not hard and run.checking and regret(v.cloud_logits, proposed) > run.verify_nats:
-                # router-verify with a tolerance: the cloud rejects this token when it checks the draft, the
-                # device rolls back to here and takes the cloud's token; greedy redrafting then follows
-                # exactly this path, so the answer is the same as deciding here.
-                hard = True
-                run.overruled += 1
-            tok = cloud_tok if hard else proposed  # greedy, as the generator's Sampler at temperature 0
+            tok = cloud_tok if run.cloud_only else proposed
+            run.routed += int(run.cloud_only)
+            if run.rule is not None:
+                tok = _routed_token(run, v, cloud_tok, proposed, cache, seq, tie_nats)
             run.nll += lse - float(v.cloud_logits[tok])
-            run.routed += int(hard)
             run.tokens.append(tok)
-            if run.late_check and not run.checking:  # the check covers the positions after the one past the clause end
-                run.checking, run.after_clause_end = run.after_clause_end, clause_ends(tok)
-                run.guess_ready = run.guess_ready and not run.checking  # the generator's check ignores a pending guess
             if stepper.edge.is_eog(tok):
                 run.done = True
             else:
@@ -251,6 +285,45 @@ def _decode(stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[in
         stepper.release(seq)
 
 
+def _routed_token(run: _Run, v: Any, cloud_tok: int, proposed: int, cache: dict, seq: int, tie_nats: float) -> int:
+    """One position of a routed run, by the generator's rule (shared/decision.py) with both
+    models' logits at hand: the cloud's guess, its `generate` and its check are evaluated here
+    exactly as the cloud would. Greedy: the check's redrafting after a rejection follows the
+    same path, so judging each draft where it stands gives the generator's answer."""
+    rule = run.rule
+    assert rule is not None and run.policy is not None
+    guess = None
+    if rule.guess_due:  # the cloud sent its guess with its last token
+        if (1, seq) not in cache:
+            cache[(1, seq)] = Guess.of(v.cloud_logits, cloud_tok)
+        guess = cache[(1, seq)]
+    flagged = None
+    if rule.router_asked(guess):
+        key = (id(run.router), seq)
+        if isinstance(run.router, RandomRouter) or key not in cache:
+            cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
+        flagged = run.policy.decide(cache[key])
+    step = rule.step(flagged, guess, proposed)
+    tok = proposed
+    if step is Step.GUESS_TAKE:
+        tok = cloud_tok
+        run.guessed += 1
+    elif step is Step.ASK:
+        tok = cloud_choice(v.cloud_logits, _GREEDY, proposed, tie_nats)
+    elif step is Step.DRAFT:
+        verdict = judge_draft(v.cloud_logits, proposed, bool(flagged), rule.options.check_nats, _GREEDY, tie_nats)
+        tok = proposed if verdict < 0 else verdict
+        run.overruled += int(verdict >= 0 and not flagged)
+    run.routed += int(
+        step in (Step.ASK, Step.GUESS_TAKE) or (step is Step.DRAFT and (bool(flagged) or tok != proposed))
+    )
+    rule.written(tok, cloud_answered=step is Step.ASK)
+    return tok
+
+
+_GREEDY = Sampler(SamplingParams())
+
+
 def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str, Any]:
     by_prompt_cloud = {r.prompt: (r, t) for r, t in zip(runs, texts) if r.method == "cloud-only"}
     groups: dict[tuple[str, float], list[tuple[_Run, str]]] = {}
@@ -262,11 +335,17 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
         return {
             "target_fraction": target,
             "cloud_fraction": round(sum(r.routed for r, _ in items) / max(n, 1), 4),
-            "lookahead_fraction": round(sum(r.guessed for r, _ in items) / max(n, 1), 4),  # cloud tokens that needed no round trip
-            "overruled_fraction": round(sum(r.overruled for r, _ in items) / max(n, 1), 4),  # cloud tokens from the check of device tokens
+            "lookahead_fraction": round(
+                sum(r.guessed for r, _ in items) / max(n, 1), 4
+            ),  # cloud tokens that needed no round trip
+            "overruled_fraction": round(
+                sum(r.overruled for r, _ in items) / max(n, 1), 4
+            ),  # cloud tokens from the check of device tokens
             "cloud_nll": round(sum(r.nll for r, _ in items) / max(n, 1), 4),
             "rouge_l": round(float(np.mean([rouge_l_f1(t, by_prompt_cloud[r.prompt][1]) for r, t in items])), 4),
-            "token_agreement": round(float(np.mean([token_agreement(r.tokens, by_prompt_cloud[r.prompt][0].tokens) for r, t in items])), 4),
+            "token_agreement": round(
+                float(np.mean([token_agreement(r.tokens, by_prompt_cloud[r.prompt][0].tokens) for r, t in items])), 4
+            ),
             "n_tokens": n,
         }
 
@@ -279,10 +358,17 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
         pts.append(dict(cloud_pt, target_fraction=1.0))
         methods[m] = pts
     gap = {m: round(gap_recovered(methods[m], edge_pt["cloud_nll"], cloud_pt["cloud_nll"], 0.3), 4) for m in names}
-    nll_at = {m: {f"{int(f * 100)}%": round(interp_nll(methods[m], f), 4) for f in (0.1, 0.2, 0.3, 0.4, 0.5)} for m in names}
+    nll_at = {
+        m: {f"{int(f * 100)}%": round(interp_nll(methods[m], f), 4) for f in (0.1, 0.2, 0.3, 0.4, 0.5)} for m in names
+    }
     beats = all(nll_at["learned"][k] < nll_at["entropy"][k] for k in nll_at["learned"])
-    return {"methods": methods, "gap_recovered_at_30": gap, "gap_recovered_at_30_ci95": gap_interval(runs, names, seed=opts.seed),
-            "cloud_nll_at": nll_at, "learned_beats_entropy_10_to_50": beats}
+    return {
+        "methods": methods,
+        "gap_recovered_at_30": gap,
+        "gap_recovered_at_30_ci95": gap_interval(runs, names, seed=opts.seed),
+        "cloud_nll_at": nll_at,
+        "learned_beats_entropy_10_to_50": beats,
+    }
 
 
 def gap_interval(runs: list[_Run], names: list[str], n_boot: int = 1000, seed: int = 0) -> dict[str, list[float]]:
@@ -298,7 +384,9 @@ def gap_interval(runs: list[_Run], names: list[str], n_boot: int = 1000, seed: i
     for r in runs:
         k, i = keys.index((r.method, r.target)), index[r.prompt]
         nll[k, i], tok[k, i], routed[k, i] = r.nll, len(r.tokens), r.routed
-    counts = np.random.default_rng(seed).multinomial(len(prompts), [1 / len(prompts)] * len(prompts), size=n_boot).T  # [prompts, n_boot]
+    counts = (
+        np.random.default_rng(seed).multinomial(len(prompts), [1 / len(prompts)] * len(prompts), size=n_boot).T
+    )  # [prompts, n_boot]
     nll_b, tok_b, routed_b = nll @ counts, np.maximum(tok @ counts, 1), routed @ counts  # [keys, n_boot]
     mean_nll, frac = nll_b / tok_b, routed_b / tok_b
     edge, cloud = mean_nll[keys.index(("edge-only", 0.0))], mean_nll[keys.index(("cloud-only", 1.0))]
@@ -312,7 +400,11 @@ def gap_interval(runs: list[_Run], names: list[str], n_boot: int = 1000, seed: i
             order = np.argsort(x, kind="stable")
             if edge[b] - cloud[b] > 0:
                 gaps.append((edge[b] - np.interp(0.3, x[order], y[order])) / (edge[b] - cloud[b]))
-        out[m] = [round(float(np.percentile(gaps, 2.5)), 4), round(float(np.percentile(gaps, 97.5)), 4)] if gaps else [float("nan")] * 2
+        out[m] = (
+            [round(float(np.percentile(gaps, 2.5)), 4), round(float(np.percentile(gaps, 97.5)), 4)]
+            if gaps
+            else [float("nan")] * 2
+        )
     return out
 
 
@@ -336,7 +428,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, key, title in zip(axes, ("cloud_nll", "rouge_l", "token_agreement"), ("cloud NLL / token (lower is better)", "ROUGE-L F1 vs cloud-only", "token agreement vs cloud-only")):
+    for ax, key, title in zip(
+        axes,
+        ("cloud_nll", "rouge_l", "token_agreement"),
+        ("cloud NLL / token (lower is better)", "ROUGE-L F1 vs cloud-only", "token agreement vs cloud-only"),
+    ):
         others = [m for m in result["methods"] if m.startswith("learned:") or "+lookahead" in m or "+verify" in m]
         for m, style in (("learned", "o-"), ("entropy", "s--"), ("random", "^:"), *((m, "d-") for m in others)):
             pts = sorted(result["methods"][m], key=lambda p: p["cloud_fraction"])
@@ -347,7 +443,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"{result.get('split', 'prompts')}: {result.get('n_prompts')} prompts, {result.get('edge_model')} + {result.get('cloud_model')}")
+    fig.suptitle(
+        f"{result.get('split', 'prompts')}: {result.get('n_prompts')} prompts, {result.get('edge_model')} + {result.get('cloud_model')}"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

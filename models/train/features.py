@@ -45,7 +45,9 @@ def targets(rec: Records, label: str, regret_nats: float = 1.0) -> np.ndarray:
         if np.isnan(rec["regret"][mismatch]).any():
             raise ValueError(f"--label {label} needs labelled shards (live-traffic shards carry no regret)")
         if label == "soft-regret":
-            return np.where(mismatch, 1.0 - np.exp(-np.maximum(rec["regret"], 0.0) / regret_nats), 0.0).astype(np.float32)
+            return np.where(mismatch, 1.0 - np.exp(-np.maximum(rec["regret"], 0.0) / regret_nats), 0.0).astype(
+                np.float32
+            )
         return (mismatch & (rec["regret"] > regret_nats)).astype(np.float32)
     div = rec["divergent"].astype(np.int64)
     return np.where(div < 0, mismatch, div > 0).astype(np.float32)
@@ -61,10 +63,16 @@ def fill_missing_features(feats: np.ndarray, means: np.ndarray) -> np.ndarray:
     return feats
 
 
-def build_inputs(rec: Records, label: str, n_buckets: int, feature_means: np.ndarray | None = None, regret_nats: float = 1.0) -> Inputs:
+def build_inputs(
+    rec: Records, label: str, n_buckets: int, feature_means: np.ndarray | None = None, regret_nats: float = 1.0
+) -> Inputs:
     feats = rec["logit_feats"]
     if feature_means is None:
-        feature_means = np.nanmean(feats, axis=0) if len(feats) and not np.isnan(feats).all() else np.zeros(feats.shape[1], np.float32)
+        feature_means = (
+            np.nanmean(feats, axis=0)
+            if len(feats) and not np.isnan(feats).all()
+            else np.zeros(feats.shape[1], np.float32)
+        )
     feats = fill_missing_features(feats, np.nan_to_num(feature_means))
     x = np.concatenate([rec["hidden"].astype(np.float32), feats], axis=1)
     bucket = token_bucket(rec["proposed"], n_buckets).astype(np.int64)

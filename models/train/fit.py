@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from models.train.features import LABELS, Inputs, auc, build_inputs, entropy_scores, targets
+from models.train.features import LABELS, auc, build_inputs, entropy_scores, targets
 from models.train.shards import Records, load_records
 from shared.learned_router import FORMAT_VERSION, LOGIT_FEATURES, LearnedRouter, RouterFile
 
@@ -50,7 +50,9 @@ class FitOptions:
     batch_size: int = 256
     seed: int = 0
     threads: int = 2
-    early_stop: str = "auc"  # "auc": validation AUC; "regret": share of validation regret captured, mean over 10-50% cloud
+    early_stop: str = (
+        "auc"  # "auc": validation AUC; "regret": share of validation regret captured, mean over 10-50% cloud
+    )
 
 
 def split_holdout(rec: Records, share: float, seed: int) -> tuple[Records, Records]:
@@ -58,7 +60,11 @@ def split_holdout(rec: Records, share: float, seed: int) -> tuple[Records, Recor
     rng = np.random.default_rng(seed)
     pid = rec["prompt_id"]
     prompts = np.unique(pid[pid >= 0])
-    held = set(rng.choice(prompts, size=max(1, int(len(prompts) * share)), replace=False).tolist()) if len(prompts) > 1 else set()
+    held = (
+        set(rng.choice(prompts, size=max(1, int(len(prompts) * share)), replace=False).tolist())
+        if len(prompts) > 1
+        else set()
+    )
     mask = np.isin(pid, list(held)) | ((pid < 0) & (rng.random(len(pid)) < share))
     return rec.subset(~mask), rec.subset(mask)
 
@@ -80,13 +86,19 @@ def fit(opts: FitOptions) -> dict[str, Any]:
     else:
         train_rec, val_rec = split_holdout(train_rec, 0.15, opts.seed)
     if len(train_rec) < 8 or len(val_rec) < 2:
-        raise ValueError(f"too little data: {len(train_rec)} training and {len(val_rec)} validation positions; label more prompts")
+        raise ValueError(
+            f"too little data: {len(train_rec)} training and {len(val_rec)} validation positions; label more prompts"
+        )
     y_train = targets(train_rec, opts.label, opts.regret_nats)
     if y_train.min() == y_train.max():
-        raise ValueError(f"every training position has the same {opts.label} label; label more (or more varied) prompts")
+        raise ValueError(
+            f"every training position has the same {opts.label} label; label more (or more varied) prompts"
+        )
 
     feats = train_rec["logit_feats"]
-    feat_means = np.nan_to_num(np.nanmean(feats, axis=0)) if not np.isnan(feats).all() else np.zeros(feats.shape[1], np.float32)
+    feat_means = (
+        np.nan_to_num(np.nanmean(feats, axis=0)) if not np.isnan(feats).all() else np.zeros(feats.shape[1], np.float32)
+    )
     tr = build_inputs(train_rec, opts.label, opts.buckets, feat_means, opts.regret_nats)
     va = build_inputs(val_rec, opts.label, opts.buckets, feat_means, opts.regret_nats)
     mean = tr.x.mean(axis=0)
@@ -118,7 +130,9 @@ def fit(opts: FitOptions) -> dict[str, Any]:
         val_score = auc(val_scores, va.y) if opts.early_stop == "auc" else regret_captured(val_scores, val_rec)
         if np.isnan(val_score):  # one class only in validation: no ranking signal, keep the latest model
             val_score = 0.5
-        history.append({"epoch": epoch, "train_loss": round(total / len(perm), 5), f"val_{opts.early_stop}": round(val_score, 5)})
+        history.append(
+            {"epoch": epoch, "train_loss": round(total / len(perm), 5), f"val_{opts.early_stop}": round(val_score, 5)}
+        )
         if val_score > best_score + 1e-4:
             best_score, best_epoch, stale = val_score, epoch, 0
             best_state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -170,7 +184,9 @@ def position_regret(rec: Records) -> np.ndarray:
     return np.where(rec["mismatch"].astype(bool), np.nan_to_num(rec["regret"]), 0.0)
 
 
-def regret_captured(scores: np.ndarray, rec: Records, fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)) -> float:
+def regret_captured(
+    scores: np.ndarray, rec: Records, fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)
+) -> float:
     """Mean over `fractions` of the share of all regret on these positions that routing the
     top-scored fraction would remove: the validation proxy of the cloud-NLL measure."""
     regret = position_regret(rec)
@@ -184,7 +200,9 @@ def _rates(rec: Records, opts: FitOptions) -> dict[str, float]:
     div = rec["divergent"]
     return {
         "mismatch": round(float(rec["mismatch"].mean()), 4),
-        "divergent": round(float((div[div >= 0] > 0).mean()), 4) if (div >= 0).any() else float("nan"),  # of the rows that have the label
+        "divergent": round(float((div[div >= 0] > 0).mean()), 4)
+        if (div >= 0).any()
+        else float("nan"),  # of the rows that have the label
         "target": round(float(targets(rec, opts.label, opts.regret_nats).mean()), 4),
     }
 
@@ -223,7 +241,9 @@ def evaluate_scores(scores: np.ndarray, rec: Records, label: str, regret_nats: f
         "entropy_auc_divergent": round(auc(ent, div), 4),
         "entropy_auc_mismatch": round(auc(ent, mismatch), 4),
         "recall_divergent_at": {f"{int(r['cloud_fraction'] * 100)}%": r["recall_divergent"] for r in calibration[::10]},
-        "entropy_recall_divergent_at": {f"{int(r['cloud_fraction'] * 100)}%": r["recall_divergent"] for r in ent_calibration[::10]},
+        "entropy_recall_divergent_at": {
+            f"{int(r['cloud_fraction'] * 100)}%": r["recall_divergent"] for r in ent_calibration[::10]
+        },
         "calibration": calibration,
         "entropy_calibration": ent_calibration,
     }
@@ -286,7 +306,11 @@ def _export(net: Any, mean: np.ndarray, std: np.ndarray, rec: Records, opts: Fit
         "n_embd": int(rec.meta.get("n_embd", d - len(LOGIT_FEATURES))),
         "n_vocab": int(rec.meta.get("n_vocab", 1)),
         "logit_features": list(LOGIT_FEATURES),
-        "feature_spec": {"inputs": ["hidden", "logit_features", "token_bucket"], "buckets": opts.buckets, "hidden_units": opts.hidden_units},
+        "feature_spec": {
+            "inputs": ["hidden", "logit_features", "token_bucket"],
+            "buckets": opts.buckets,
+            "hidden_units": opts.hidden_units,
+        },
         "label": opts.label,
         "label_rule": rec.meta.get("label_rule"),
         "system_prompt": rec.meta.get("system_prompt"),

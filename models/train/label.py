@@ -42,13 +42,13 @@ from typing import Callable
 
 import numpy as np
 
-from edge_client.generator import DEFAULT_SYSTEM_PROMPT
 from models.registry import model_info
 from models.train.pair import PairStepper
 from models.train.shards import make_records, read_shard, write_shard
-from shared.textmetrics import lcs_len
 from shared.learned_router import LearnedRouter, LogitFeaturizer, load_router
 from shared.llama_backend import LlamaModel
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
+from shared.textmetrics import lcs_len
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,15 @@ def chat(model: LlamaModel, system: str, prompt: str) -> list[int]:
     return model.chat_tokens([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
 
 
-def is_divergent(edge_tok: int, cloud_tok: int, regret: float, alt: list[int], ref: list[int], is_eog: Callable[[int], bool], opts: LabelOptions) -> bool:
+def is_divergent(
+    edge_tok: int,
+    cloud_tok: int,
+    regret: float,
+    alt: list[int],
+    ref: list[int],
+    is_eog: Callable[[int], bool],
+    opts: LabelOptions,
+) -> bool:
     """The divergence rule (see the module docstring)."""
     if edge_tok == cloud_tok:
         return False
@@ -106,8 +114,10 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     if len(todo) < len(paths):  # resuming: the finished shards must have followed the same paths
         old = read_shard(next(p for p in paths if p.is_file())).meta
         if old.get("routed_by", {}).get("router_sha256") != (routed_by or {}).get("router_sha256"):
-            raise ValueError(f"{opts.out_dir} holds shards labelled along other paths ({old.get('path', 'cloud')}"
-                             f"{', router ' + old['routed_by']['router'] if 'routed_by' in old else ''}); use another --out or delete them")
+            raise ValueError(
+                f"{opts.out_dir} holds shards labelled along other paths ({old.get('path', 'cloud')}"
+                f"{', router ' + old['routed_by']['router'] if 'routed_by' in old else ''}); use another --out or delete them"
+            )
     edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
     meta = {
         "source": "label",
@@ -147,13 +157,39 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     return paths
 
 
-def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, opts: LabelOptions, router: LearnedRouter | None = None) -> dict[str, list]:
+def _label_batch(
+    stepper: PairStepper,
+    prompts: list[list[int]],
+    first_id: int,
+    opts: LabelOptions,
+    router: LearnedRouter | None = None,
+) -> dict[str, list]:
     """Label one batch of prompts. Without a router the cloud's token is appended at every step
     (the cloud's path); with one, the token the router would let through (the routed path)."""
     featurize = LogitFeaturizer(stepper.edge.n_vocab)
-    thresholds = [router.threshold_for_fraction(opts.route_fractions[(first_id + k) % len(opts.route_fractions)]) for k in range(len(prompts))] if router else []
+    thresholds = (
+        [
+            router.threshold_for_fraction(opts.route_fractions[(first_id + k) % len(opts.route_fractions)])
+            for k in range(len(prompts))
+        ]
+        if router
+        else []
+    )
     stepper.start([(p, [k]) for k, p in enumerate(prompts)])
-    rows: dict[str, list] = {k: [] for k in ("hidden", "logit_feats", "proposed", "cloud_token", "position", "prompt_id", "mismatch", "divergent", "regret")}
+    rows: dict[str, list] = {
+        k: []
+        for k in (
+            "hidden",
+            "logit_feats",
+            "proposed",
+            "cloud_token",
+            "position",
+            "prompt_id",
+            "mismatch",
+            "divergent",
+            "regret",
+        )
+    }
     answers: list[list[int]] = [[] for _ in prompts]
     where: list[list[int]] = [[] for _ in prompts]  # row index of each answer position
     for step in range(opts.max_tokens):
@@ -188,7 +224,14 @@ def _label_batch(stepper: PairStepper, prompts: list[list[int]], first_id: int, 
     return rows
 
 
-def _label_divergence(stepper: PairStepper, prompts: list[list[int]], answers: list[list[int]], where: list[list[int]], rows: dict[str, list], opts: LabelOptions) -> None:
+def _label_divergence(
+    stepper: PairStepper,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    where: list[list[int]],
+    rows: dict[str, list],
+    opts: LabelOptions,
+) -> None:
     is_eog = stepper.cloud.is_eog
     pending: list[tuple[int, int, int]] = []  # (row, source seq, position in answer)
     for seq, answer in enumerate(answers):
@@ -208,7 +251,9 @@ def _label_divergence(stepper: PairStepper, prompts: list[list[int]], answers: l
         alts = stepper.cloud_rollouts(starts, opts.window, first_seq=stepper.n_seq)
         for (r, seq, j), alt in zip(group, alts):
             ref = answers[seq][j + 1 : j + 1 + opts.window]
-            rows["divergent"][r] = int(is_divergent(rows["proposed"][r], rows["cloud_token"][r], rows["regret"][r], alt, ref, is_eog, opts))
+            rows["divergent"][r] = int(
+                is_divergent(rows["proposed"][r], rows["cloud_token"][r], rows["regret"][r], alt, ref, is_eog, opts)
+            )
 
 
 def _progress(total: int, enabled: bool):  # type: ignore[no-untyped-def]

@@ -41,7 +41,15 @@ def log_softmax_row(logits: np.ndarray) -> tuple[float, float]:
 class PairStepper:
     """Both models over `n_seq` sequences; each sequence holds prompt + accepted tokens."""
 
-    def __init__(self, edge: LlamaModel, cloud: LlamaModel, n_seq: int, n_ctx: int = 8192, threads: int | None = None, extra_cloud_seqs: int = 0) -> None:
+    def __init__(
+        self,
+        edge: LlamaModel,
+        cloud: LlamaModel,
+        n_seq: int,
+        n_ctx: int = 8192,
+        threads: int | None = None,
+        extra_cloud_seqs: int = 0,
+    ) -> None:
         self.edge, self.cloud = edge, cloud
         self.n_seq = n_seq
         self.ectx = LlamaContext(edge, n_ctx=n_ctx, n_seq=n_seq, threads=threads, embeddings=True)
@@ -73,7 +81,9 @@ class PairStepper:
                 self.length[s] = len(prompt)
 
     def views(self) -> list[StepView]:
-        return [StepView(s, self.ectx.logits(i), self.ectx.hidden(i), self.cctx.logits(i)) for s, i in self._out.items()]
+        return [
+            StepView(s, self.ectx.logits(i), self.ectx.hidden(i), self.cctx.logits(i)) for s, i in self._out.items()
+        ]
 
     def advance(self, tokens: dict[int, int]) -> None:
         """Append one token to each given sequence (others are finished and dropped from the batch)."""
@@ -111,7 +121,9 @@ class PairStepper:
         ctx = self.cctx
         seqs = list(range(first_seq, first_seq + len(starts)))
         if seqs and seqs[-1] >= ctx.n_seq:
-            raise ValueError(f"{len(starts)} rollouts need cloud sequences up to {seqs[-1]}; the context has {ctx.n_seq}")
+            raise ValueError(
+                f"{len(starts)} rollouts need cloud sequences up to {seqs[-1]}; the context has {ctx.n_seq}"
+            )
         for s, (src, pos, _) in zip(seqs, starts):
             ctx.clear(s)
             lc.llama_memory_seq_cp(ctx.mem, src, s, 0, pos)

@@ -26,7 +26,9 @@ def clinc_path() -> Path:
 @lru_cache(maxsize=2)
 def _clinc(path: Path) -> dict[str, list]:
     if not path.is_file():
-        raise FileNotFoundError(f"CLINC150 not found at {path}; set $TOKENROUTER_CLINC to data_full.json or pass --prompts FILE")
+        raise FileNotFoundError(
+            f"CLINC150 not found at {path}; set $TOKENROUTER_CLINC to data_full.json or pass --prompts FILE"
+        )
     return json.loads(path.read_text())
 
 
@@ -52,7 +54,7 @@ def file_prompts(path: str | Path) -> list[str]:
 
 
 def parse_split_spec(spec: str) -> tuple[str, int | None]:
-    """"train:240" -> ("train", 240); "val" -> ("val", None)."""
+    """ "train:240" -> ("train", 240); "val" -> ("val", None)."""
     name, _, n = spec.partition(":")
     if n and not n.isdigit():
         raise ValueError(f"bad split spec {spec!r}: use NAME or NAME:COUNT, e.g. train:240")

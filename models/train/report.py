@@ -34,6 +34,8 @@ def markdown(r: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for row in r["calibration"]:
-        lines.append(f"| {row['cloud_fraction']:.0%} | {row['threshold']:.4f} | {row['recall_divergent']} | {row['recall_mismatch']} | {row['regret_captured']} |")
+        lines.append(
+            f"| {row['cloud_fraction']:.0%} | {row['threshold']:.4f} | {row['recall_divergent']} | {row['recall_mismatch']} | {row['regret_captured']} |"
+        )
     lines.append("")
     return "\n".join(lines)

@@ -30,7 +30,17 @@ import numpy as np
 
 from shared.learned_router import N_LOGIT_FEATURES
 
-COLUMNS = ("hidden", "logit_feats", "proposed", "cloud_token", "position", "prompt_id", "mismatch", "divergent", "regret")
+COLUMNS = (
+    "hidden",
+    "logit_feats",
+    "proposed",
+    "cloud_token",
+    "position",
+    "prompt_id",
+    "mismatch",
+    "divergent",
+    "regret",
+)
 _DTYPES = {
     "hidden": np.float16,
     "logit_feats": np.float32,
@@ -123,7 +133,9 @@ def load_records(sources: list[str | Path]) -> Records:
     for p, r in zip(shard_paths(sources), parts):
         for key in ("edge_fingerprint", "cloud_fingerprint"):
             if r.meta.get(key) != first.get(key):
-                raise ShardError(f"{p} has {key} {r.meta.get(key)}, but other shards have {first.get(key)}: train one router per model pair")
+                raise ShardError(
+                    f"{p} has {key} {r.meta.get(key)}, but other shards have {first.get(key)}: train one router per model pair"
+                )
     # prompt ids count from 0 in every labelling run (one directory each): shift them apart, so that
     # prompts of two runs are never taken for one (the hold-out split, per-prompt counts)
     paths = shard_paths(sources)
@@ -135,7 +147,10 @@ def load_records(sources: list[str | Path]) -> Records:
     for d, hi in top.items():
         offset[d], start = start, start + hi + 1
     cols = {k: np.concatenate([r.columns[k] for r in parts]) for k in COLUMNS}
-    ids = [np.where(r.columns["prompt_id"] >= 0, r.columns["prompt_id"] + offset[p.parent], -1) for p, r in zip(paths, parts)]  # -1: live rows
+    ids = [
+        np.where(r.columns["prompt_id"] >= 0, r.columns["prompt_id"] + offset[p.parent], -1)
+        for p, r in zip(paths, parts)
+    ]  # -1: live rows
     cols["prompt_id"] = np.concatenate(ids).astype(cols["prompt_id"].dtype)
     meta = dict(first)
     meta["sources"] = sorted({r.meta.get("source", "?") for r in parts})

@@ -1,0 +1,145 @@
+"""What the session layer may ask of a model engine, and the errors an engine may give.
+
+Why a Protocol: the server runs either the embedded llama.cpp engine
+(cloud_server/engine.py, batched on one thread) or a remote completions
+server (cloud_server/remote_engine.py). They differ in what they can do (a
+remote engine sees no logits, so it can neither guess ahead nor verify), so
+each says so in `capabilities()`, and the session asks that instead of
+reaching into an engine's context or model. An engine refuses what a client
+asked for with an `EngineError`, which names the protocol error code the
+client gets; anything else escaping an engine is a bug.
+
+This module imports nothing from cloud_server: every other module builds on it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+from shared.protocol import ErrorCode, SamplingParams
+from shared.sampling import Guess
+
+T = TypeVar("T")
+
+
+class EngineError(Exception):
+    """A request the engine refuses or cannot serve; `code` is the ErrorCode the device gets (the session lives on)."""
+
+    code: str = ErrorCode.BUSY
+
+
+class EngineFull(EngineError, RuntimeError):
+    """No free session, sequence slot or KV cells (at hello: the server is full; later: the context is)."""
+
+    code = ErrorCode.CONTEXT_FULL
+
+
+class NotSupported(EngineError):
+    """This server's engine cannot do what was asked (e.g. verify with a remote engine)."""
+
+    code = ErrorCode.BAD_FIELD
+
+
+class EmptyHistory(EngineError, ValueError):
+    """Nothing to continue from: the session's history is empty (e.g. after a rollback to 0)."""
+
+    code = ErrorCode.BAD_FIELD
+
+    def __init__(self, what: str = "generate") -> None:
+        super().__init__(f"cannot {what}: the session history is empty; sync tokens first")
+
+
+class EngineFailed(EngineError):
+    """The engine failed on this request (a decode error, a remote server's failure); others are unaffected."""
+
+    code = ErrorCode.BUSY
+
+
+class GenerateResult(NamedTuple):
+    """One token written by the cloud (a tuple, so `token, logprob, seconds = ...` reads naturally)."""
+
+    token: int
+    logprob: float
+    compute_s: float
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    """The verdict on a drafted span: drafts before `accepted` stand; `token` (-1: none) is written after them."""
+
+    accepted: int
+    token: int = -1
+    logprob: float = 0.0
+    compute_ms: float = 0.0
+    eog: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine can do; the session refuses the rest with a named error instead of calling it."""
+
+    name: str  # "llama.cpp" or "remote", for messages and /v1/info
+    n_vocab: int
+    generate: bool = True
+    guess: bool = False  # lookahead: `guess` announces the next token (else the device gets a `next` with -1)
+    verify: bool = False
+    max_verify_tokens: int = 0  # drafted tokens one verify may carry
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Sessions of token histories over one model. Handles are ints from `open`, stable until `close`.
+
+    Not thread-safe in general: the worker decides where calls run (the embedded engine's single
+    thread). `history` returns the live list; callers read it, never write it."""
+
+    @property
+    def n_sessions(self) -> int: ...
+
+    def capabilities(self) -> Capabilities: ...
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]: ...
+
+    def open(self, prompt: list[int], sampling: SamplingParams) -> int: ...
+
+    def close(self, handle: int) -> None: ...
+
+    def history(self, handle: int) -> list[int]: ...
+
+    def append(self, handle: int, tokens: list[int]) -> None: ...
+
+    def rollback(self, handle: int, n: int) -> None: ...
+
+    def prefill(self, handle: int) -> float: ...
+
+    def generate(self, handle: int, proposed: int = -1) -> GenerateResult: ...
+
+    def guess(self, handle: int) -> Guess: ...
+
+    def verify(
+        self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
+    ) -> VerifyResult: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def close_all(self) -> None: ...
+
+
+@runtime_checkable
+class Worker(Protocol):
+    """Runs an engine's work where it must run, awaitable from asyncio (EngineWorker, RemoteWorker)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]: ...
+
+    async def generate(self, handle: int, proposed: int = -1) -> GenerateResult: ...
+
+    async def prefill(self, handle: int) -> float: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,231 @@
+"""The device's keeper of its cloud session: connect, resync, reconnect, lose, timeouts, traffic.
+
+The token path (edge_client/strategies.py) asks the cloud through this one
+object and never handles a network error itself: every call here returns
+None (or False) when the cloud could not answer, after dropping the link
+where it is lost. The answer then continues on the device and is marked
+degraded; the next answer reconnects and rebuilds the session from the
+device's history. A slow cloud is not a lost cloud: a hard token that misses
+its deadline is written by the device, the link rolls the abandoned request
+back and stays (docs/architecture.md, "Failure and fallback").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from edge_client.answer import Traffic
+from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable
+from shared.model_info import ModelInfo
+from shared.protocol import SamplingParams, Verdict
+from shared.sampling import Guess
+
+log = logging.getLogger(__name__)
+
+LinkErrors = (CloudUnavailable, CloudError)
+
+
+class CloudSession:
+    """One device's cloud session across answers (at most one link at a time)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], CloudLink] | None,
+        edge: ModelInfo,
+        sampling: SamplingParams,
+        max_consecutive_timeouts: int = 3,
+    ) -> None:
+        self._connect = connect
+        self.edge = edge
+        self.sampling = sampling
+        self.max_consecutive_timeouts = max_consecutive_timeouts  # then the cloud is lost for this answer
+        self.link: CloudLink | None = None
+        self.last_error = ""
+        self.timeouts = 0  # hard tokens the device wrote because the cloud was slow
+        # Reconnect attempts per answer when the cloud is lost mid-answer (0: finish on the device).
+        # A new session is rebuilt from the device's history (open() re-syncs when it differs from the prompt).
+        self.reconnect_mid_answer = 0
+        self._reconnects_left = 0
+        self._retired = Traffic()  # totals of links already dropped
+        self._messages: list[dict] | None = None
+        self._history: Callable[[], list[int]] = list
+
+    @property
+    def configured(self) -> bool:
+        """A cloud exists for this device at all (not `--cloud none`)."""
+        return self._connect is not None
+
+    @property
+    def up(self) -> bool:
+        return self.link is not None
+
+    @property
+    def cloud_model(self) -> str:
+        return self.link.accept.cloud_model if self.link is not None and self.link.accept else ""
+
+    @property
+    def cloud_len(self) -> int:
+        return self.link.cloud_len if self.link is not None else 0
+
+    # ---------------------------------------------------------------- the session's life
+
+    def start_answer(self, messages: list[dict], prompt: list[int], history: Callable[[], list[int]]) -> bool:
+        """Make the cloud hold `prompt`: reuse and resync the session, or open a new one.
+        False: carry on without the cloud. Raises CloudRejected (a configuration error to report).
+        `history` reads the device's history, for a rebuild mid-answer."""
+        assert self._connect is not None
+        self._messages, self._history, self._reconnects_left = None, history, self.reconnect_mid_answer
+        try:
+            if self.link is not None and not self.link.connected:
+                self.retire()  # closed after an interrupted stream, or lost
+            if self.link is not None:
+                self.link.resync(prompt)
+            else:
+                link = self._connect()
+                try:
+                    link.open(self.edge, messages, prompt, self.sampling)
+                finally:
+                    self.link = link if link.connected else None
+                    if self.link is None:
+                        self._retired += link.stats
+            self.last_error = ""
+            ok = True
+        except CloudRejected:
+            raise
+        except LinkErrors as exc:
+            self.lose(exc)
+            ok = False
+        self._messages = messages  # from here on a lost cloud may be reconnected (reconnect_mid_answer)
+        return ok
+
+    def lose(self, exc: Exception) -> None:
+        """The cloud is gone (or answered an error): drop the link, reconnect if allowed."""
+        log.warning("cloud lost, continuing on the device: %s", exc)
+        self.last_error = str(exc)
+        self.retire()
+        if isinstance(exc, CloudUnavailable) and self._reconnects_left > 0 and self._messages is not None:
+            self._reconnects_left -= 1
+            self._reconnect(self._messages)
+
+    def _reconnect(self, messages: list[dict]) -> None:
+        assert self._connect is not None
+        link = self._connect()
+        try:
+            link.open(self.edge, messages, self._history()[:], self.sampling)
+        except (CloudUnavailable, CloudError, CloudRejected) as exc:
+            log.warning("reconnect failed, continuing on the device: %s", exc)
+            link.close_quietly()
+            self._retired += link.stats
+            return
+        self.link = link
+        self.last_error = ""
+
+    def retire(self) -> None:
+        """Drop the link, keeping its traffic in the totals."""
+        if self.link is not None:
+            self._retired += self.link.stats
+            self.link.close_quietly()
+            self.link = None
+
+    def close(self, reason: str = "device closed") -> None:
+        if self.link is not None:
+            self.link.close(reason)
+        self.retire()
+
+    def traffic(self) -> Traffic:
+        """Traffic of every link this session has used (lost links included)."""
+        return self._retired + (self.link.stats if self.link is not None else Traffic())
+
+    # ---------------------------------------------------------------- requests
+
+    def sync(self, history: list[int], end: int | None = None) -> None:
+        """Send the device tokens history[cloud_len:end] the cloud lacks (no reply awaited)."""
+        link = self.link
+        if link is None:
+            return
+        try:
+            link.sync(history[link.cloud_len : end])
+        except CloudUnavailable as exc:
+            self.lose(exc)
+
+    def resync(self, history: list[int]) -> None:
+        """Make the cloud hold `history` (a prefill ahead of time)."""
+        if self.link is not None and self.link.connected:
+            try:
+                self.link.resync(history)
+            except CloudUnavailable as exc:
+                self.lose(exc)
+
+    def ask(self, history: list[int], proposed: int, hidden: np.ndarray, lookahead: bool) -> CloudToken | None:
+        """The cloud's token for the position after `history` (the device proposed `proposed`), or
+        None: the device writes it (a fallback). One round trip; a slow reply is abandoned."""
+        link = self.link
+        assert link is not None
+        try:
+            return link.generate(
+                history[link.cloud_len :], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=lookahead
+            )[0]
+        except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
+            self.timeouts += 1
+            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
+                self.retire()
+                self.last_error = str(exc)
+            return None
+        except (*LinkErrors, IndexError) as exc:
+            self.lose(exc)
+            if self.link is None:
+                return None
+            try:  # reconnected mid-answer: the rebuilt session holds the whole history
+                return self.link.generate([], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=lookahead)[0]
+            except (*LinkErrors, IndexError) as exc2:
+                self.lose(exc2)
+                return None
+
+    def guess(self, wait_s: float) -> Guess | None:
+        """The cloud's lookahead guess for this position, or None (late, none, or the cloud lost)."""
+        link = self.link
+        if link is None:
+            return None
+        try:
+            return link.next_guess(wait_s)
+        except LinkErrors as exc:
+            self.lose(exc)
+            return None
+
+    def verify(
+        self,
+        history: list[int],
+        drafts: list[int],
+        check: list[int],
+        tolerance: float = 0.0,
+        bonus: bool = False,
+        hidden: np.ndarray | None = None,
+    ) -> Verdict | None:
+        """The cloud's verdict on `drafts` (after `history`, which it may partly lack), or None.
+        Tokens of `history` the cloud lacks are synced first, so only the drafts are judged and
+        the verdict's `accepted` counts from the first draft."""
+        link = self.link
+        assert link is not None
+        try:
+            link.sync(history[link.cloud_len :])
+            return link.verify(drafts, check, bonus=bonus, tolerance=tolerance, hidden=hidden)
+        except LinkErrors as exc:
+            self.lose(exc)
+            return None
+
+    def stream(
+        self, history: list[int], max_tokens: int, on_token: Callable[[CloudToken], bool], proposed: int = -1
+    ) -> bool:
+        """The cloud writes up to `max_tokens` tokens after `history`, streamed to `on_token`
+        (which may return False to stop listening). False when the cloud was lost."""
+        link = self.link
+        assert link is not None
+        try:
+            link.generate(history[link.cloud_len :], proposed=proposed, max_tokens=max_tokens, on_token=on_token)
+            return True
+        except LinkErrors as exc:
+            self.lose(exc)
+            return False

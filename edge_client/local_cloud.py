@@ -1,0 +1,39 @@
+"""The device's one entry point to a cloud server on loopback (`--cloud local`).
+
+The only module of edge_client that imports cloud_server (tests/test_layering.py
+checks it): the device otherwise knows the cloud only through the wire protocol.
+The server runs as a separate process (cloud_server/local.py), as in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterator
+
+from cloud_server.local import LocalCloudServer
+from edge_client.cloud_link import CloudLink
+from edge_client.options import GeneratorOptions
+
+
+@contextlib.contextmanager
+def loopback_cloud(opts: GeneratorOptions) -> Iterator[Callable[[], CloudLink] | None]:
+    """Yields how to connect to the cloud `opts` names: a server started here on loopback
+    (`local`, stopped on exit), a remote URL, or None (`none`, or policy `edge`)."""
+    if opts.cloud == "none" or (opts.cloud == "local" and opts.policy == "edge"):
+        yield None
+        return
+    if opts.cloud != "local":
+        key = opts.api_key or os.environ.get("TOKENROUTER_API_KEY", "")
+        yield lambda: CloudLink(opts.cloud, key, timeout_s=opts.cloud_timeout_s)
+        return
+    with LocalCloudServer(model=opts.cloud_model) as server:
+        yield lambda: CloudLink(server.url, server.api_key, timeout_s=opts.cloud_timeout_s)
+
+
+@contextlib.contextmanager
+def loopback_server(model: str, threads: int = 1) -> Iterator[tuple[str, str]]:
+    """A cloud server process on loopback for `model` (the replay harness puts its network
+    emulator in front): yields (WebSocket URL, API key); stopped on exit."""
+    with LocalCloudServer(model=model, extra_args=["--threads", str(threads)]) as server:
+        yield server.url, server.api_key

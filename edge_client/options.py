@@ -1,0 +1,97 @@
+"""Everything that configures routed generation, as one plain dataclass.
+
+One type travels from argparse to the generator: `tokenrouter-edge ask`, the
+voice commands and the replay harness all fill a `GeneratorOptions` and hand
+it to `RoutedGenerator`; the parts the shared rule and policy need are derived
+from it here, so a default is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
+from shared.decision import RuleOptions
+from shared.policy import PolicyConfig
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
+from shared.protocol import SamplingParams
+
+DEFAULT_CHECK = "after-first-clause"  # no first-audio cost, better answers (docs/voice.md, docs/router.md)
+STRATEGIES = ("per-token", "span", "verify", "speculative")
+"""How the per-token phase asks the cloud (edge_client/strategies.py): a `generate` per hard token
+(the product), or the replay harness's alternatives: the cloud writes a span of tokens per hard
+token, or the device drafts to a clause end and one `verify` checks the flagged (or all) drafts."""
+
+
+@dataclass(slots=True)
+class GeneratorOptions:
+    """The options of one device's routed generation (the CLI flags in brackets)."""
+
+    edge_model: str = DEFAULT_EDGE_MODEL
+    cloud_model: str = DEFAULT_CLOUD_MODEL  # the model of a `--cloud local` server; names the shipped router
+    cloud: str = "local"  # "local" (start a loopback server), "none", or a ws:// URL
+    api_key: str = ""  # for a remote cloud; default $TOKENROUTER_API_KEY
+    policy: str = "router"  # edge | cloud | router
+    threshold: float | None = 0.5  # used when cloud_fraction is None
+    cloud_fraction: float | None = 0.3  # target share of cloud-written tokens (the check's overrules included)
+    warmup: int = 0
+    hysteresis: float = 0.0
+    router: str = "auto"  # "auto" (shipped learned router for the pair, else entropy), a heuristic kind, or a .npz file
+    router_on_mismatch: str = "error"  # a learned router trained for another edge model: "error" or "heuristic"
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    sync_every: int = 4  # send device tokens eagerly after this many (0 = only with hard tokens)
+    cloud_timeout_s: float = 2.0
+    # After each hard token the cloud sends its guess for the next position; there the device
+    # takes it (no round trip, no router) where its own token is over lookahead_nats worse to
+    # the cloud (docs/architecture.md, "lookahead"). These cloud tokens come on top of the
+    # router's cloud_fraction.
+    lookahead: bool = True
+    lookahead_nats: float = 1.0
+    lookahead_wait_s: float = 0.1  # longest wait for that guess; then the router decides as usual
+    # The cloud's check (docs/architecture.md, "check"): draft to a clause end, one verify per
+    # clause; the cloud overrules a device token over check_nats worse than its own choice.
+    # "all": the whole answer; "after-first-clause" (the default): the first clause goes out at
+    # once and the check covers the rest while it is spoken (docs/voice.md: no first-audio cost).
+    check: str = DEFAULT_CHECK
+    check_nats: float = 1.0
+    check_max_draft: int = 12  # longest draft before a verify when no clause ends
+    strategy: str = "per-token"  # STRATEGIES: how the per-token phase asks the cloud
+    span: int = 4  # strategy "span": tokens the cloud writes per hard token
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    n_ctx: int = 4096
+    # One llama.cpp thread: a 135M model is memory-bound, and a second thread's
+    # barriers collapse throughput when ASR, TTS or a local cloud share the cores.
+    threads: int = 1
+
+    def rule(self) -> RuleOptions:
+        """The per-position rule's options (validated there)."""
+        return RuleOptions(
+            lookahead=self.lookahead, lookahead_nats=self.lookahead_nats, check=self.check, check_nats=self.check_nats
+        )
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(
+            self.policy,
+            threshold=self.threshold,
+            cloud_fraction=self.cloud_fraction,
+            warmup=self.warmup,
+            hysteresis=self.hysteresis,
+        )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def validate(self) -> None:
+        """Refuse settings the generator cannot use, naming the flag."""
+        self.rule()
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.check_max_draft < 1:
+            raise ValueError(f"check_max_draft (--draft-max) must be >= 1, not {self.check_max_draft}")
+        if self.span < 1:
+            raise ValueError(f"span (--span) must be >= 1, not {self.span}")
+        if not 0 <= self.cloud_timeout_s < float("inf"):
+            raise ValueError(f"--cloud-timeout must be a number of seconds >= 0, not {self.cloud_timeout_s}")

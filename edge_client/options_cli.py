@@ -1,0 +1,116 @@
+"""The generation options every generating command of `tokenrouter-edge` takes (ask, listen, file).
+
+`add_generation_options` adds them to a parser; `options_from_args` turns the parsed
+arguments into `GeneratorOptions`. Both the text CLI (edge_client/cli.py) and the voice
+commands (edge_client/voice/cli.py) use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from edge_client.options import DEFAULT_CHECK, GeneratorOptions
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
+from shared.decision import CHECK_MODES
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
+
+
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that generates (ask, and the voice commands)."""
+    p.add_argument(
+        "--cloud", default="local", help="ws:// URL of a cloud server, 'local' (start one on loopback) or 'none'"
+    )
+    p.add_argument("--api-key", default="", help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
+    p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL, help="registered name or .gguf path")
+    p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL, help="model of the local cloud server")
+    p.add_argument("--policy", choices=["edge", "cloud", "router"], default="router")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--threshold", type=float, default=None, help="route when the router score >= T")
+    g.add_argument(
+        "--cloud-fraction",
+        type=float,
+        default=None,
+        help="target fraction of cloud tokens, calibrated online (default 0.3)",
+    )
+    p.add_argument(
+        "--router",
+        default="auto",
+        help="auto (the shipped learned router for the model pair, else entropy), entropy, top1, margin, or a router file",
+    )
+    p.add_argument(
+        "--router-on-mismatch",
+        choices=["error", "heuristic"],
+        default="error",
+        help="a router file trained for another device model: refuse, or warn and use entropy",
+    )
+    p.add_argument("--warmup", type=int, default=0, help="first N tokens of each answer stay on the device")
+    p.add_argument("--hysteresis", type=float, default=0.0, help="keep routing until the score drops below T - H")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sync-every", type=int, default=4, help="send device tokens to the cloud after N (0 = only with hard tokens)"
+    )
+    p.add_argument(
+        "--cloud-timeout",
+        type=float,
+        default=2.0,
+        help="seconds to wait for a hard token before finishing on the device",
+    )
+    p.add_argument(
+        "--no-lookahead", action="store_true", help="do not use the cloud's guess for the token after each cloud token"
+    )
+    p.add_argument(
+        "--lookahead-nats",
+        type=float,
+        default=1.0,
+        help="take the cloud's guess where it finds the device's token this many nats less likely (0: wherever they differ)",
+    )
+    p.add_argument(
+        "--check",
+        nargs="?",
+        const="all",
+        default=DEFAULT_CHECK,
+        choices=CHECK_MODES,
+        help="the cloud's check: draft to each clause end, the cloud checks the clause in one round trip and "
+        "overrules a device token over --check-nats worse than its own choice (better answers, a round trip per clause). "
+        "Default 'after-first-clause': the first clause goes out at once (no first-audio delay); --check alone means "
+        "'all'; 'off': router and lookahead only",
+    )
+    p.add_argument(
+        "--check-nats",
+        type=float,
+        default=1.0,
+        help="with --check: how much less likely than the cloud's choice a device token may be",
+    )
+    p.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
+
+
+def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
+    return GeneratorOptions(
+        edge_model=args.edge_model,
+        cloud_model=args.cloud_model,
+        cloud=args.cloud,
+        api_key=args.api_key,
+        policy=args.policy,
+        threshold=0.5 if args.threshold is None else args.threshold,
+        cloud_fraction=None
+        if args.threshold is not None
+        else (0.3 if args.cloud_fraction is None else args.cloud_fraction),
+        warmup=args.warmup,
+        hysteresis=args.hysteresis,
+        router=args.router,
+        router_on_mismatch=args.router_on_mismatch,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        sync_every=args.sync_every,
+        cloud_timeout_s=args.cloud_timeout,
+        lookahead=not args.no_lookahead,
+        lookahead_nats=args.lookahead_nats,
+        check=args.check,
+        check_nats=args.check_nats,
+        system_prompt=args.system_prompt,
+    )

@@ -1,0 +1,284 @@
+"""How the device asks the cloud: small strategies, one per way of handing tokens over.
+
+The generator (edge_client/generator.py) runs one strategy at a time over a
+`Turn` (the answer being written) and picks it per clause:
+
+    PerToken     the router (or the cloud's lookahead guess) decides each position;
+                 a hard one is one `generate` round trip (the product's per-token phase)
+    ClauseCheck  the device drafts to a clause end; one `verify` judges the clause
+                 (the cloud's check: `--check`)
+    CloudStream  the cloud writes the rest of the answer, streamed (policy `cloud`)
+    DeviceOnly   the device writes the answer, no router (a per-answer choice of the device)
+    Span         at a hard token the cloud writes up to `span` tokens (replay's router-span)
+    DraftVerify  draft to a clause end, one `verify` of the flagged drafts, or of all of
+                 them (replay's router-verify and speculative)
+
+Who writes each position is decided by shared/decision.py, the one copy of the
+rule; a strategy only carries the decision out over the network. Each `run`
+writes at least one position (or ends the answer) and returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from edge_client.answer import Answer, Route
+from edge_client.cloud_session import CloudSession
+from edge_client.decoder import EdgeDecoder
+from edge_client.options import GeneratorOptions
+from edge_client.writer import AnswerWriter
+from shared.decision import AnswerRule, ClauseEnds, OverruledShare, Step
+from shared.llama_backend import LlamaModel
+from shared.policy import RoutingPolicy
+from shared.router import Router
+from shared.sampling import Sampler
+
+
+@dataclass(slots=True)
+class Turn:
+    """One answer being written: what every strategy reads and extends."""
+
+    model: LlamaModel
+    decoder: EdgeDecoder
+    router: Router
+    policy: RoutingPolicy
+    rule: AnswerRule
+    cloud: CloudSession
+    sampler: Sampler
+    opts: GeneratorOptions
+    out: AnswerWriter
+    clause_ends: ClauseEnds
+    overruled: OverruledShare
+    max_tokens: int
+    stop: threading.Event | None = None
+    router_ms: list[float] = field(default_factory=list)
+
+    @property
+    def answer(self) -> Answer:
+        return self.out.answer
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def room(self) -> int:
+        """How many more tokens the answer may take."""
+        return self.max_tokens - len(self.answer.tokens)
+
+    def finished(self) -> bool:
+        tokens = self.answer.tokens
+        return (bool(tokens) and self.model.is_eog(tokens[-1])) or self.room() <= 0 or self.stopped()
+
+    def flag(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> tuple[float, bool]:
+        """The router's score at this position and the policy's decision (is it hard?)."""
+        t0 = time.perf_counter()
+        score = self.router.score(hidden, logits, proposed)
+        hard = self.policy.decide(score)
+        self.router_ms.append((time.perf_counter() - t0) * 1000.0)
+        return score, hard
+
+    def write(self, token: int, route: Route, score: float | None, fallback: bool = False) -> None:
+        """Append a final token to the device's history and release it."""
+        self.decoder.append(token)
+        self.out.release(token, route, score, fallback)
+
+    def settle(self, start: int, drafts: list[int], accepted: int, token: int) -> None:
+        """Apply a verdict to drafts the device's history holds from `start`: keep the first
+        `accepted`, then the cloud's `token` (if >= 0). The kept drafts stay decoded."""
+        if token >= 0:
+            self.decoder.truncate(start + accepted)
+            self.decoder.append(token)
+
+    def sync_eagerly(self) -> None:
+        """Send the final device tokens the cloud lacks once there are `sync_every` of them."""
+        cloud, every = self.cloud, self.opts.sync_every
+        if cloud.up and every > 0 and len(self.decoder.history) - cloud.cloud_len >= every:
+            cloud.sync(self.decoder.history)
+
+
+class Strategy(Protocol):
+    def run(self, turn: Turn) -> None:
+        """Write at least one position of the answer (or end it)."""
+        ...
+
+
+class PerToken:
+    """One position: the cloud's guess or the router decides; a hard token is one round trip."""
+
+    def run(self, turn: Turn) -> None:
+        rule, cloud = turn.rule, turn.cloud
+        logits, hidden = turn.decoder.next_distribution()
+        proposed = turn.sampler.sample(logits)
+        guess = cloud.guess(turn.opts.lookahead_wait_s) if rule.guess_due and cloud.up else None
+        score, flagged = turn.flag(hidden, logits, proposed) if rule.router_asked(guess) else (None, None)
+        step = rule.step(flagged, guess, proposed)
+        token, route, answered = proposed, "edge", False
+        if guess is not None:
+            turn.answer.lookahead_positions.append(len(turn.answer.tokens))
+            if step is Step.GUESS_TAKE:
+                token, route = guess.token, "cloud"
+        elif step is Step.ASK and cloud.up:
+            got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead)
+            if got is not None:
+                token, route, answered = got.token, "cloud", True
+        turn.write(token, route, score, fallback=step is Step.ASK and not answered and cloud.configured)
+        rule.written(token, cloud_answered=answered)
+        turn.sync_eagerly()
+
+
+class ClauseCheck:
+    """Draft to a clause end (plus one token), then one `verify`: the cloud's check.
+
+    The draft takes one token past the clause end, so that a listener splitting clauses at
+    "punctuation then a space" (the voice pipeline's TTS chunker) can cut the clause as soon
+    as the verdict comes, not a whole clause later. Router-flagged drafts are checked exactly,
+    the others within `check_nats` (shared/decision.py, `judge_draft`). The verdict keeps the
+    drafts before the first rejected one (flagged ones count as the cloud's: it chose the same
+    token) and, at the rejected one, gives the cloud's token; the device rolls its history back
+    to there. Nothing is released before the verdict. If the cloud is lost, the drafts stand
+    (flagged ones as fallbacks).
+    """
+
+    def run(self, turn: Turn) -> None:
+        dec, cloud, opts = turn.decoder, turn.cloud, turn.opts
+        start = len(dec.history)
+        cloud.sync(dec.history)  # final tokens not yet synced: the cloud prefills them while the device drafts
+        if not cloud.up:
+            return  # lost: the per-token phase finishes on the device
+        flagged: list[bool] = []
+        scores: list[float] = []
+        hard_hidden: list[np.ndarray] = []  # the hidden state at each flagged draft: hard tokens travel with it
+        room, past_clause_end = min(turn.room(), opts.check_max_draft), False
+        while True:
+            logits, hidden = dec.next_distribution()
+            proposed = turn.sampler.sample(logits)
+            score, hard = turn.flag(hidden, logits, proposed)
+            if hard:
+                hard_hidden.append(hidden.astype(np.float16))  # a copy: the view dies with the next decode
+            flagged.append(hard)
+            scores.append(score)
+            dec.append(proposed)
+            if turn.stopped():
+                dec.truncate(start)  # interrupted: nothing of this clause is released
+                return
+            if past_clause_end or turn.model.is_eog(proposed) or len(scores) >= room:
+                break
+            past_clause_end = turn.clause_ends(proposed)
+        drafts = dec.history[start:]
+        check = [i for i, f in enumerate(flagged) if f]
+        verdict = cloud.verify(
+            dec.history[:start],
+            drafts,
+            check,
+            tolerance=opts.check_nats,
+            hidden=np.stack(hard_hidden) if hard_hidden else None,
+        )
+        release = turn.out.release
+        if verdict is None:
+            for token, score, flag in zip(drafts, scores, flagged):
+                release(token, "edge", score, fallback=flag)
+            return
+        at = verdict.accepted  # the rejected draft, where the cloud wrote its own token (if any)
+        turn.settle(start, drafts, at, verdict.token)
+        for token, score, flag in zip(drafts[:at], scores, flagged):
+            release(token, "cloud" if flag else "edge", score)
+        overruled = verdict.token >= 0 and at < len(drafts) and not flagged[at]
+        if verdict.token >= 0:
+            if overruled:
+                turn.answer.overruled_positions.append(len(turn.answer.tokens))
+            release(verdict.token, "cloud", scores[at] if at < len(drafts) else None)
+        turn.policy.share_taken_elsewhere(turn.overruled.add(at + (verdict.token >= 0), overruled))
+
+
+class CloudStream:
+    """Policy `cloud`: the cloud writes the rest of the answer, streamed. The device decodes
+    none of it unless the stream breaks off and it has to take over."""
+
+    def run(self, turn: Turn) -> None:
+        def take(tok) -> bool:
+            turn.write(tok.token, "cloud", None)  # decoded lazily, only if the device must take over
+            return not tok.eog and not turn.finished()
+
+        if not turn.cloud.stream(turn.decoder.history, turn.room(), take):
+            turn.answer.degraded = True
+
+
+class DeviceOnly:
+    """A per-answer choice of the device (replay's query and session policies): no router."""
+
+    def run(self, turn: Turn) -> None:
+        logits, _ = turn.decoder.next_distribution()
+        turn.write(turn.sampler.sample(logits), "edge", None)
+
+
+class Span:
+    """Replay's router-span: at a hard token the cloud writes up to `span` tokens in one call."""
+
+    def run(self, turn: Turn) -> None:
+        logits, hidden = turn.decoder.next_distribution()
+        proposed = turn.sampler.sample(logits)
+        score, hard = turn.flag(hidden, logits, proposed)
+        if hard and turn.cloud.up:
+            got: list[int] = []
+
+            def take(tok) -> bool:
+                turn.write(tok.token, "cloud", None)
+                got.append(tok.token)
+                return not turn.stopped()
+
+            turn.cloud.stream(turn.decoder.history, min(turn.opts.span, turn.room()), take, proposed=proposed)
+            if got:
+                return
+        turn.write(proposed, "edge", score, fallback=hard and turn.cloud.configured)
+        turn.sync_eagerly()
+
+
+class DraftVerify:
+    """Replay's router-verify (`check_all` False) and speculative (True): draft to a clause
+    boundary, one `verify` of the flagged drafts (all of them for speculative), roll back to
+    the first rejected one. Drafts before the first flag are final and released at once; the
+    rest wait for the verdict. With `check_all` and no rejection the cloud adds a bonus token."""
+
+    def __init__(self, check_all: bool) -> None:
+        self.check_all = check_all
+
+    def run(self, turn: Turn) -> None:
+        dec, cloud = turn.decoder, turn.cloud
+        start = len(dec.history)
+        flags: list[int] = []  # draft offsets to check
+        room = min(turn.room(), turn.opts.check_max_draft)
+        while True:
+            logits, hidden = dec.next_distribution()
+            proposed = turn.sampler.sample(logits)
+            score, hard = (None, True) if self.check_all else turn.flag(hidden, logits, proposed)
+            if hard:
+                flags.append(len(dec.history) - start)
+            if not flags:  # nothing before it is in doubt: the token is final
+                turn.write(proposed, "edge", score)
+                turn.sync_eagerly()
+            else:
+                dec.append(proposed)
+            n = len(dec.history) - start
+            if turn.stopped() or turn.model.is_eog(proposed) or turn.clause_ends(proposed) or n >= room:
+                break
+        if not flags:
+            return
+        held_from = start + flags[0]
+        drafts = dec.history[held_from:]
+        if turn.stopped():
+            dec.truncate(held_from)  # interrupted: the held drafts are never released
+            return
+        check = [f - flags[0] for f in flags]
+        bonus = self.check_all and turn.room() > len(drafts) and not turn.model.is_eog(drafts[-1])
+        verdict = cloud.verify(dec.history[:held_from], drafts, check, bonus=bonus) if cloud.up else None
+        keep = len(drafts) if verdict is None else verdict.accepted
+        if verdict is not None:
+            turn.settle(held_from, drafts, keep, verdict.token)
+        for token in drafts[:keep]:
+            turn.out.release(token, "edge", None)
+        if verdict is not None and verdict.token >= 0:
+            turn.out.release(verdict.token, "cloud", None)

@@ -1,0 +1,243 @@
+"""End of turn: when has the person finished speaking?
+
+Silence alone cannot tell a finished question from a pause mid-sentence ("set a timer for…
+ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
+(docs/voice.md). This module adds two more inputs and an adaptive wait:
+
+- Smart Turn v3.2 (pipecat-ai's BSD-2 audio model, an 8 MB int8 ONNX file in the `pipecat-ai`
+  wheel): the probability that the last up-to-8 s of audio is a finished turn, from intonation
+  and rhythm; ~10 ms on one core here (docs/voice.md).
+- the transcript of the speculative final decode: a turn that ends on a filler ("um"), a
+  conjunction, a preposition or an article is not finished, whatever the audio says.
+
+Decision: a turn that sounds finished ends after `min_wait_ms` of silence, one that sounds
+unfinished after `max_wait_ms`. With `mode="silence"` (or when the model file is missing
+and `on_missing="silence"`) the turn ends after the stop delay, as before, and the decision
+says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .assets import MissingModelError
+
+RATE = 16000
+SMART_TURN_PACKAGE = "pipecat-ai==1.14.0"
+SMART_TURN_FILE = "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"
+MODES = ("smart", "silence")
+
+
+def smart_turn_path() -> Path:
+    """The Smart Turn v3.2 ONNX file inside the installed `pipecat-ai` wheel (pipecat is never imported:
+    its dependencies are heavy, the wheel is installed with --no-deps for this one file)."""
+    install = f"pip install --no-deps {SMART_TURN_PACKAGE}"
+    spec = importlib.util.find_spec("pipecat")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingModelError(
+            f"the end-of-turn model {SMART_TURN_FILE} is missing: the 'pipecat-ai' package is not installed; "
+            f"run: {install} (or pass --turn-mode silence to end turns on silence alone)"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]).parent / SMART_TURN_FILE
+    if not p.is_file():
+        raise MissingModelError(
+            f"the end-of-turn model {p} is missing; reinstall: {install} (or pass --turn-mode silence)"
+        )
+    return p
+
+
+# ---------------------------------------------------------------------------- features
+
+
+def _mel_filters(n_fft: int = 400, n_mels: int = 80) -> np.ndarray:
+    """Slaney-scale, Slaney-normalised triangular filters, (n_fft // 2 + 1, n_mels): Whisper's filterbank."""
+
+    def hz_to_mel(f: np.ndarray) -> np.ndarray:
+        f = np.asarray(f, np.float64)
+        return np.where(f >= 1000.0, 15.0 + np.log(np.maximum(f, 1e-9) / 1000.0) * 27.0 / np.log(6.4), 3.0 * f / 200.0)
+
+    def mel_to_hz(m: np.ndarray) -> np.ndarray:
+        return np.where(m >= 15.0, 1000.0 * np.exp(np.log(6.4) / 27.0 * (m - 15.0)), 200.0 * m / 3.0)
+
+    mels = np.linspace(hz_to_mel(np.array(0.0)), hz_to_mel(np.array(RATE / 2)), n_mels + 2)
+    hz = mel_to_hz(mels)
+    fft_hz = np.linspace(0, RATE // 2, n_fft // 2 + 1)
+    slopes = hz[None, :] - fft_hz[:, None]
+    down = -slopes[:, :-2] / np.diff(hz)[:-1]
+    up = slopes[:, 2:] / np.diff(hz)[1:]
+    return np.maximum(0.0, np.minimum(down, up)) * (2.0 / (hz[2:] - hz[:-2]))[None, :]
+
+
+_FILTERS = _mel_filters()
+_WINDOW = np.hanning(401)[:-1]  # periodic Hann, as torch.hann_window
+
+
+def log_mel_8s(audio: np.ndarray) -> np.ndarray:
+    """Whisper-style log-mel (80 x 800) of exactly 8 s of 16 kHz audio, the input Smart Turn v3 was trained on.
+
+    The same as transformers' `WhisperFeatureExtractor(chunk_length=8)` with `do_normalize=True`, which
+    pipecat feeds it: zero-mean unit-variance waveform, centred 400-point STFT with hop 160, power
+    spectrum onto 80 Slaney mel bands, log10, floor at max - 8, then (x + 4) / 4.
+    """
+    x = np.asarray(audio, np.float32)
+    n = 8 * RATE
+    x = np.pad(x, (0, n - len(x))) if len(x) < n else x[:n]
+    x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
+    padded = np.pad(x.astype(np.float64), (200, 200), mode="reflect")
+    frames = np.lib.stride_tricks.sliding_window_view(padded, 400)[::160]
+    power = np.abs(np.fft.rfft(frames * _WINDOW, axis=-1)) ** 2
+    mel = np.log10(np.maximum(1e-10, power @ _FILTERS)).T[:, :-1]
+    mel = np.maximum(mel, mel.max() - 8.0)
+    return ((mel + 4.0) / 4.0).astype(np.float32)
+
+
+def last_8s(audio: np.ndarray) -> np.ndarray:
+    """The last 8 s, zero-padded at the front when shorter (as pipecat does)."""
+    n = 8 * RATE
+    return audio[-n:] if len(audio) >= n else np.pad(audio, (n - len(audio), 0))
+
+
+class SmartTurn:
+    """Smart Turn v3.2 (int8 ONNX, CPU): probability that the audio so far ends a finished turn."""
+
+    def __init__(self, path: Path | None = None, threads: int = 1) -> None:
+        import onnxruntime
+
+        self.path = path or smart_turn_path()
+        so = onnxruntime.SessionOptions()
+        so.inter_op_num_threads = 1
+        so.intra_op_num_threads = threads
+        so.log_severity_level = 4
+        self._sess = onnxruntime.InferenceSession(str(self.path), sess_options=so, providers=["CPUExecutionProvider"])
+        self(np.zeros(RATE, np.float32))  # warm-up: the first run initialises the kernels
+
+    def __call__(self, audio: np.ndarray) -> float:
+        feats = log_mel_8s(last_8s(np.asarray(audio, np.float32)))[None]
+        out = self._sess.run(None, {"input_features": feats})
+        return float(np.asarray(out[0]).reshape(-1)[0])
+
+
+# ---------------------------------------------------------------------------- the transcript cue
+
+# Words a finished request almost never ends on: of CLINC150's 18,000 train/val queries 0.5% end on
+# one of these. Prepositions are left out ("where are you from": 3.5% end on one); Smart Turn judges those.
+_OPEN_WORDS = frozenset(
+    "um uh er erm hmm and or but because if than the a an my your our their of".split()
+)
+
+
+def unfinished_text(text: str) -> bool:
+    """The transcript ends mid-phrase: on a filler, a function word, a comma, a dash or an ellipsis."""
+    t = text.strip()
+    if not t:
+        return True
+    if t.endswith(("...", "…", ",", "-", "—", ";", ":")):
+        return True
+    words = re.findall(r"[a-z']+", t.lower())
+    return bool(words) and words[-1] in _OPEN_WORDS
+
+
+# ---------------------------------------------------------------------------- the decision
+
+
+@dataclass
+class TurnOptions:
+    mode: str = "smart"  # "smart": Smart Turn + transcript + adaptive wait; "silence": stop delay only
+    min_wait_ms: int = 200  # silence that ends a turn that sounds finished
+    max_wait_ms: int = 1200  # silence that ends a turn that sounds unfinished
+    threshold: float = 0.5  # Smart Turn probability at or above which the audio sounds finished
+    text_cue: bool = True  # a transcript ending mid-phrase also means unfinished
+    on_missing: str = "error"  # the model file is missing: "error" (say what to install) or "silence" (fall back, visibly)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"turn mode must be one of {MODES}, not {self.mode!r}")
+        if not 0 < self.min_wait_ms <= self.max_wait_ms:
+            raise ValueError(f"need 0 < min wait ({self.min_wait_ms} ms) <= max wait ({self.max_wait_ms} ms)")
+        if self.on_missing not in ("error", "silence"):
+            raise ValueError(f"on_missing must be 'error' or 'silence', not {self.on_missing!r}")
+
+
+@dataclass
+class TurnDecision:
+    """Why a turn ended when it did (reported in the turn's JSON and the terminal UI)."""
+
+    mode: str  # "smart" | "silence" | "silence-fallback" (model file missing)
+    finished: bool | None = None  # judged finished (short wait) or not (long wait); None: silence only
+    probability: float | None = None  # Smart Turn's probability of a finished turn at the pause
+    model_ms: float | None = None  # Smart Turn's compute time
+    text_unfinished: bool | None = None  # the transcript ended mid-phrase
+    wait_ms: int | None = None  # the silence that ended the turn
+    pauses: int = 0  # pauses the person resumed from (each judged unfinished or too short)
+    note: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        if d["probability"] is not None:
+            d["probability"] = round(d["probability"], 3)
+        if d["model_ms"] is not None:
+            d["model_ms"] = round(d["model_ms"], 1)
+        return d
+
+    def summary(self) -> str:
+        if self.mode != "smart":
+            return f"end of turn: {self.mode} ({self.wait_ms} ms)" + (f" - {self.note}" if self.note else "")
+        p = "-" if self.probability is None else f"{self.probability:.2f}"
+        verdict = {True: "finished", False: "unfinished", None: "undecided"}[self.finished]
+        text = " (transcript unfinished)" if self.text_unfinished else ""
+        return f"end of turn: {verdict}, Smart Turn p={p}{text}, waited {self.wait_ms} ms, {self.pauses} pause(s) before"
+
+
+class EndOfTurn:
+    """Per-utterance judge: fed the audio at each pause and the speculative transcript, it sets the wait."""
+
+    def __init__(self, opts: TurnOptions, model: SmartTurn | None, fallback_note: str = "") -> None:
+        self.opts = opts
+        self.model = model
+        self.mode = opts.mode if (opts.mode == "silence" or model is not None) else "silence-fallback"
+        self.fallback_note = fallback_note
+
+    @property
+    def smart(self) -> bool:
+        return self.mode == "smart"
+
+    def new_decision(self, pauses: int = 0) -> TurnDecision:
+        return TurnDecision(self.mode, pauses=pauses, note=self.fallback_note if self.mode == "silence-fallback" else "")
+
+    def judge_audio(self, d: TurnDecision, audio: np.ndarray) -> None:
+        assert self.model is not None
+        t = time.perf_counter()
+        d.probability = self.model(audio)
+        d.model_ms = (time.perf_counter() - t) * 1000
+
+    def judge_text(self, d: TurnDecision, text: str) -> None:
+        if self.opts.text_cue:
+            d.text_unfinished = unfinished_text(text)
+
+    def wait_ms(self, d: TurnDecision, stop_delay_ms: int, text_known: bool) -> int | None:
+        """The silence that ends the turn, or None while an input is still missing."""
+        if not self.smart:
+            return stop_delay_ms
+        if d.probability is None or (self.opts.text_cue and not text_known):
+            return None
+        d.finished = d.probability >= self.opts.threshold and not d.text_unfinished
+        return self.opts.min_wait_ms if d.finished else self.opts.max_wait_ms
+
+
+def load_end_of_turn(opts: TurnOptions) -> tuple[SmartTurn | None, str]:
+    """The model for `opts` (None for silence-only), and a note when it fell back because the file is missing."""
+    opts.validate()
+    if opts.mode == "silence":
+        return None, ""
+    try:
+        return SmartTurn(), ""
+    except MissingModelError as e:
+        if opts.on_missing == "error":
+            raise
+        return None, f"end-of-turn model missing, ending turns on silence alone: {e}"

@@ -1,0 +1,192 @@
+"""The per-position routing rule: who writes each token of an answer, in one place.
+
+Every caller that decides or judges a token calls this module: the device's
+generator (edge_client/generator.py, through its strategies), both cloud
+engines when they judge a draft or write a hard token, and the trainer's
+eval (models/train/evaluate.py), which replays the rule in-process. To change
+lookahead or the check, change it here; the table-driven test
+(tests/test_decision.py) pins every combination.
+
+At each position of an answer the device has proposed a token. Then, in order:
+
+1. **Check phase** (`--check all`, or after the first clause with
+   `--check after-first-clause`): the device drafts; the cloud's `verify`
+   judges each draft (`judge_draft`): router-flagged drafts exactly, the
+   others within `check_nats`. Nothing else is asked.
+2. **A lookahead guess** (the last token was a cloud round trip with
+   lookahead on, and the guess arrived in time): the guess alone decides
+   (`take_guess`); the router is not asked.
+3. **The router**: a flagged position asks the cloud (one `generate`); the
+   cloud writes its choice (`cloud_choice`). Otherwise the device's token
+   stands.
+
+**Ties.** llama.cpp's batched and one-token kernels are not bitwise equal, so
+two runs of one model disagree at near-ties depending on how their histories
+were batched. A proposed or drafted token within `TIE_NATS` of the cloud's
+most likely token counts as the cloud's own choice under greedy decoding:
+then the same model on both sides changes nothing, on any CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+import numpy as np
+
+from shared.sampling import Guess, Sampler, regret
+
+TIE_NATS = 0.5
+"""A token this close to the best (in nats, a difference of logits) is a tie under greedy
+decoding. Measured with scripts/measure_kernel_ties.py on a 2-core AMD EPYC VM: for the device
+model (SmolLM2-135M Q3_K_S) one-token and batched decodes of the same history pick different
+argmaxes at 15 of 458 positions, and each path finds the other's choice at most 0.35 nats
+(p99 0.12) below its own; for Q4_1, at most 0.19. 0.5 covers that with a margin and stays half
+the check's default tolerance (1 nat). What it costs in quality: docs/router.md ("ties")."""
+
+CHECK_MODES = ("off", "all", "after-first-clause")
+CLAUSE_END = (".", ",", ";", ":", "!", "?", "\n")
+OVERRULED_DECAY = 0.995  # per released token, for the running overruled share (half-life ~140 tokens)
+
+
+class Step(Enum):
+    """What happens at one position (see the module docstring for the order)."""
+
+    KEEP = "keep"  # the device's token stands; no cloud
+    ASK = "ask"  # router-flagged: the cloud writes this position (a round trip)
+    GUESS_KEEP = "guess-keep"  # the cloud's guess decided: the device's token is close enough
+    GUESS_TAKE = "guess-take"  # the cloud's guess decided: its token replaces the device's
+    DRAFT = "draft"  # check phase: drafted, judged later by the cloud's verify
+
+
+@dataclass(frozen=True, slots=True)
+class RuleOptions:
+    """The knobs of the rule (GeneratorOptions carries them from the command line)."""
+
+    lookahead: bool = True
+    lookahead_nats: float = 1.0
+    check: str = "after-first-clause"
+    check_nats: float = 1.0
+    tie_nats: float = TIE_NATS
+
+    def __post_init__(self) -> None:
+        if self.check not in CHECK_MODES:
+            raise ValueError(f"check must be one of {', '.join(CHECK_MODES)}, not {self.check!r}")
+        if self.check != "off" and not 0.0 < self.check_nats < float("inf"):
+            raise ValueError(f"check_nats (--check-nats) must be a finite number of nats > 0, not {self.check_nats}")
+        if not 0.0 <= self.lookahead_nats < float("inf"):
+            raise ValueError(
+                f"lookahead_nats (--lookahead-nats) must be a finite number of nats >= 0, not {self.lookahead_nats}"
+            )
+        if not 0.0 <= self.tie_nats < float("inf"):
+            raise ValueError(f"tie_nats must be a finite number of nats >= 0, not {self.tie_nats}")
+
+
+def is_tie(logits: np.ndarray, token: int, tie_nats: float = TIE_NATS) -> bool:
+    """`token` is within `tie_nats` of the most likely token of `logits`."""
+    return regret(logits, token) <= tie_nats
+
+
+def cloud_choice(logits: np.ndarray, sampler: Sampler, proposed: int = -1, tie_nats: float = TIE_NATS) -> int:
+    """The cloud's token at a position where the device proposed `proposed` (-1: none).
+
+    Greedy: the proposed token when it ties with the best (module docstring), else the argmax.
+    Sampling: the sampler's draw (a tie means nothing for a random draw)."""
+    if sampler.greedy and proposed >= 0 and is_tie(logits, proposed, tie_nats):
+        return proposed
+    return sampler.sample(logits)
+
+
+def judge_draft(
+    logits: np.ndarray, draft: int, exact: bool, tolerance: float, sampler: Sampler, tie_nats: float = TIE_NATS
+) -> int:
+    """The cloud's verdict on one drafted token: -1 if it stands, else the cloud's token there.
+
+    `exact` (router-flagged) drafts stand only as the cloud's own choice (`cloud_choice`); the
+    others also stand within `tolerance` nats of the cloud's best (BiLD's rollback rule), without
+    a draw from the sampler."""
+    if not exact and regret(logits, draft) <= tolerance:
+        return -1
+    token = cloud_choice(logits, sampler, draft, tie_nats)
+    return -1 if token == draft else token
+
+
+def take_guess(guess: Guess, proposed: int, lookahead_nats: float) -> bool:
+    """The cloud's lookahead guess replaces the device's token: the cloud finds it more than
+    `lookahead_nats` less likely than the guess (a token outside the guess's top list counts
+    as worse)."""
+    return guess.regret(proposed) > lookahead_nats
+
+
+class ClauseEnds:
+    """Which tokens end a clause (punctuation, a newline, or the end of generation): where a
+    draft is handed to the cloud for its check. Cached per token: asked once per drafted token."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], is_eog: Callable[[int], bool]) -> None:
+        self._token_bytes = token_bytes
+        self._is_eog = is_eog
+        self._known: dict[int, bool] = {}
+
+    def __call__(self, token: int) -> bool:
+        hit = self._known.get(token)
+        if hit is None:
+            text = self._token_bytes(token).decode("utf-8", errors="ignore")
+            hit = self._known[token] = any(c in text for c in CLAUSE_END) or self._is_eog(token)
+        return hit
+
+
+class AnswerRule:
+    """The rule's state over one answer: is a guess due, is the check on.
+
+    Callers ask `guess_due` (fetch the cloud's guess if so), then `step(flagged, guess,
+    proposed)` with the router's decision (None when it was not asked: the guess decided),
+    act on the step, and report the written token with `written`.
+    """
+
+    def __init__(self, options: RuleOptions, clause_ends: Callable[[int], bool]) -> None:
+        self.options = options
+        self.clause_ends = clause_ends
+        self.start_answer()
+
+    def start_answer(self) -> None:
+        self.checking = self.options.check == "all"
+        self.guess_due = False
+        self._after_clause_end = False
+
+    def router_asked(self, guess: Guess | None) -> bool:
+        """Whether the router scores this position: always while checking, else unless a guess decides."""
+        return self.checking or guess is None
+
+    def step(self, flagged: bool | None, guess: Guess | None, proposed: int) -> Step:
+        """What happens at this position (the module docstring's order)."""
+        if self.checking:
+            return Step.DRAFT
+        if guess is not None:
+            return Step.GUESS_TAKE if take_guess(guess, proposed, self.options.lookahead_nats) else Step.GUESS_KEEP
+        return Step.ASK if flagged else Step.KEEP
+
+    def written(self, token: int, cloud_answered: bool = False) -> None:
+        """Record the token written at this position. `cloud_answered`: a `generate` round trip
+        wrote it, so with lookahead the cloud's guess for the next position is due."""
+        self.guess_due = self.options.lookahead and cloud_answered and not self.checking
+        if self.options.check == "after-first-clause" and not self.checking:
+            # the check covers the positions after the one past the first clause's end: the
+            # first clause and one token more go out at once (the TTS chunker cuts there)
+            self.checking, self._after_clause_end = self._after_clause_end, self.clause_ends(token)
+            self.guess_due = self.guess_due and not self.checking
+
+
+class OverruledShare:
+    """The decayed share of answer tokens the cloud's check overruled (half-life ~140 tokens).
+
+    The router is calibrated to the rest of --cloud-fraction (RoutingPolicy.share_taken_elsewhere),
+    so router flags plus overrules meet the target."""
+
+    def __init__(self) -> None:
+        self.share = 0.0
+
+    def add(self, n_released: int, overruled: bool) -> float:
+        keep = OVERRULED_DECAY**n_released
+        self.share = self.share * keep + (1.0 - OVERRULED_DECAY) * overruled
+        return self.share
