@@ -218,10 +218,9 @@ def spoken_wav_with_pauses(synth, text: str, pauses_ms: dict[int, int], path: Pa
     return None if span is None else span[1]
 
 
-# Where people pause mid-sentence: after a word that needs the next one ("set a timer for… ten minutes",
-# "what's the weather in, um, Boston"), or before a preposition or conjunction that opens a new phrase.
-_PAUSE_AFTER = frozenset("the a an my your our to for in on at of with from about and or is are what me".split())
-_PAUSE_BEFORE = frozenset("for to in on at with from about and or but because that if when".split())
+# Where people hesitate mid-sentence: after a word that needs the next one ("set a timer for… ten
+# minutes", "what's the weather in, um, Boston"), often with a filler.
+_PAUSE_AFTER = frozenset("the a an my your our to for in on at of with from about and or".split())
 FILLERS = ("um", "uh")
 
 
@@ -235,7 +234,7 @@ def pause_query(query: str, rng: np.random.Generator, pause_ms: tuple[int, int] 
     words = query.replace(",", "").split()
     if len(words) < 4:
         return None
-    cands = [i for i in range(2, len(words) - 1) if words[i - 1].lower() in _PAUSE_AFTER or words[i].lower() in _PAUSE_BEFORE]
+    cands = [i for i in range(2, len(words)) if words[i - 1].lower() in _PAUSE_AFTER]
     if not cands:
         return None
     k = 2 if len(words) >= 10 and len(cands) >= 2 else 1

@@ -82,6 +82,7 @@ def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: b
     sink.write(out_path)
     obj = turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
     obj["prefilled_tokens"] = pipe.prefilled_tokens
+    obj["drafts"] = pipe.n_drafts
     return obj
 
 
@@ -97,6 +98,8 @@ def turn_json(done: Any, out_path: str | None = None, reply_s: float | None = No
         "interrupted": done.interrupted,
     }
     obj.update(done.timings.to_json())
+    obj["end_of_turn"] = done.end_of_turn.to_json() if done.end_of_turn is not None else None
+    obj["draft"] = done.draft
     if out_path is not None:
         obj["out"] = out_path
         obj["reply_seconds"] = round(reply_s or 0.0, 3)
@@ -108,6 +111,13 @@ def latency_table(obj: dict) -> str:
     rows.append(f"  {'EoS -> first audio':20s} {obj['end_of_speech_to_first_audio_ms']} ms")
     rows.append(f"  {'endpoint -> audio':20s} {obj['endpoint_to_first_audio_ms']} ms")
     return "latency (relative to the end of speech):\n" + "\n".join(rows)
+
+
+def turn_summary(obj: dict) -> str:
+    """One line: how the end of the turn was decided and whether the drafted reply was used."""
+    from .endofturn import TurnDecision
+
+    return TurnDecision(**obj["end_of_turn"]).summary() + f"; draft: {obj['draft']} ({obj.get('drafts', 0)} drafted)"
 
 
 def cmd_file(args: argparse.Namespace) -> int:
@@ -128,6 +138,8 @@ def cmd_file(args: argparse.Namespace) -> int:
     print(f"routing:    {a['n_tokens']} tokens, {a['n_cloud_tokens']} from the cloud ({cloud_pct:.0f}%)"
           + (" [degraded: cloud unavailable]" if a["degraded"] else ""))
     print(latency_table(a))
+    if a["end_of_turn"] is not None:
+        print(f"turn:       {turn_summary(a)}")
     print(f"reply:      {args.out} ({a['reply_seconds']:.2f} s)")
     return 0
 

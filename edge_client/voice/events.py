@@ -35,6 +35,13 @@ class FinalTranscript:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnJudged:
+    """At a pause, the end-of-turn judge set how long to wait (finished: short; unfinished: long)."""
+
+    decision: TurnDecision
+
+
+@dataclass(frozen=True, slots=True)
 class AnswerToken:
     token: TokenEvent
 
@@ -68,4 +75,14 @@ class Notice:
     message: str
 
 
-Event = Listening | SpeechStarted | PartialTranscript | FinalTranscript | AnswerToken | Interruption | TurnDone | Notice
+Event = (
+    Listening
+    | SpeechStarted
+    | PartialTranscript
+    | TurnJudged
+    | FinalTranscript
+    | AnswerToken
+    | Interruption
+    | TurnDone
+    | Notice
+)

@@ -46,7 +46,7 @@ import re
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -55,7 +55,7 @@ from ..answer import Answer, TokenEvent
 from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber
 from .audio_io import FileSource, Frame, PlaybackBuffer
 from .dialogue import Dialogue, DialogueOptions
-from .endofturn import EndOfTurn, SmartTurn, TurnDecision, TurnOptions, load_end_of_turn
+from .endofturn import EndOfTurn, TurnDecision, TurnOptions, load_end_of_turn
 from .events import (
     AnswerToken,
     Event,
@@ -66,12 +66,12 @@ from .events import (
     PartialTranscript,
     SpeechStarted,
     TurnDone,
+    TurnJudged,
 )
 from .timings import TurnTimings
 from .tts import ClauseChunker, Synthesizer, TtsOptions
 from .vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad, VadOptions
 from .worker import LatestJobWorker
-
 
 log = logging.getLogger(__name__)
 
@@ -309,11 +309,6 @@ class Turn:
         self._adopted.set()
         self._gen_may_run.set()
 
-    @property
-    def ready(self) -> bool:
-        """The first clause's audio is synthesised (held or queued)."""
-        return self.timings.tts_first_audio is not None
-
     def cancel(self) -> None:
         self.stop.set()
         self._gen_may_run.set()
@@ -388,6 +383,7 @@ class VoicePipeline:
         self._utt: _Utterance | None = None
         self._utt_id = 0
         self._last_decision: tuple[TurnDecision | None, str] = (None, "off")
+        self.n_drafts = 0  # drafts started from partial transcripts (each a held first clause)
         self._playing: Turn | None = None
         self._preroll: deque[np.ndarray] = deque(maxlen=max(1, int(self.opts.vad.preroll_ms / 1000 / FRAME_S)))
         self._pending = np.zeros(0, np.float32)
@@ -568,9 +564,10 @@ class VoicePipeline:
             return
         text_known = u.spec_text is not None or not self.opts.speculative
         wait = self.eot.wait_ms(u.decision, self.opts.vad.stop_delay_ms, text_known)
-        if wait is not None:
+        if wait is not None and u.decision.wait_ms != wait:
             u.decision.wait_ms = wait
             self.endpointer.stop_delay_ms = wait
+            self.emit(TurnJudged(replace(u.decision)))
 
     def _drop_speculation(self) -> None:
         u = self._utt
@@ -592,8 +589,9 @@ class VoicePipeline:
         u.timings.endpoint_decided = time.monotonic()
         if u.decision is None:  # max utterance length reached while speaking
             u.decision = self.eot.new_decision(u.pauses)
-            u.decision.note = "utterance too long"
-        u.decision.wait_ms = int(round(self._silence_ms)) if self.endpointer.state == "idle" else 0
+            u.decision.note, u.decision.wait_ms = "utterance too long", 0
+        else:
+            u.decision.wait_ms = self.endpointer.stop_delay_ms
         if u.spec_voiced_t == self.endpointer.last_voiced_t:
             if u.spec_text is not None:  # speculative decode done: its text is final
                 self._final(u, u.spec_text)
@@ -645,6 +643,7 @@ class VoicePipeline:
                 return
             u.draft.cancel()
         u.draft = Turn(self, text, TurnTimings(), held=True, draft=True)
+        self.n_drafts += 1
 
     def _take_draft(self, u: _Utterance, text: str) -> Turn | None:
         """The speculative final transcript is in: the draft becomes the turn if it has the same words."""
