@@ -39,7 +39,18 @@ from cloud_server.scheduler import EngineWorker
 from cloud_server.services import Services
 from cloud_server.session import Connection, ConnectionDone
 from models.registry import model_info
-from shared.protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, Message, ProtocolError, Reject, decode, encode
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    Error,
+    ErrorCode,
+    Hello,
+    Message,
+    ProtocolError,
+    Reject,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +76,9 @@ def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Worker:
             max_sessions=config.max_sessions,
             n_ctx=config.n_ctx,
             timeout_s=config.remote_timeout_s,
+            verify=config.remote_verify,
         )
+        remote.probe_until_up()  # what the engine can do: the capabilities every accept lists
         return RemoteWorker(remote, concurrency=config.remote_concurrency)
     engine = CloudEngine(
         info,
@@ -126,6 +139,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             "n_ctx": config.n_ctx,
             "auth_required": not config.insecure,
             "engine": "remote" if config.remote_url else "llama.cpp",
+            "capabilities": worker.engine.capabilities().names(),
+            "engine_detail": worker.engine.capabilities().how,
+            "protocol_versions": list(SUPPORTED_VERSIONS),
         }
 
     @app.get("/metrics")

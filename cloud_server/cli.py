@@ -11,6 +11,7 @@ from cloud_server.app import create_app
 from cloud_server.auth import digest, load_keys
 from cloud_server.config import READY_LINE, ServerConfig
 from cloud_server.logs import setup_logging
+from cloud_server.remote_engine import VERIFY_MODES
 from models.registry import DEFAULT_CLOUD_MODEL, ModelNotFoundError
 
 
@@ -114,6 +115,16 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--remote-prompt-format", choices=("ids", "text"), default=d.remote_prompt_format)
     g.add_argument(
+        "--remote-verify",
+        choices=VERIFY_MODES,
+        default=d.remote_verify,
+        help="how the engine judges drafts: vLLM's prompt_logprobs, echo + logprobs, its own greedy continuation, "
+        "or off; auto: the first the engine answers (docs/server.md)",
+    )
+    g.add_argument(
+        "--remote-timeout", type=float, default=d.remote_timeout_s, help="seconds one engine request may take"
+    )
+    g.add_argument(
         "--log-format", choices=("text", "json"), default="text", help="json: one structured object per line"
     )
 
@@ -155,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         remote_model=args.remote_model,
         remote_api_key=args.remote_api_key or os.environ.get("TOKENROUTER_REMOTE_API_KEY", ""),
         remote_prompt_format=args.remote_prompt_format,
+        remote_verify=args.remote_verify,
+        remote_timeout_s=args.remote_timeout,
     )
     import uvicorn
 

@@ -53,4 +53,7 @@ class ServerConfig:
     remote_api_key: str = ""
     remote_prompt_format: str = "ids"  # "ids" (token-id prompts) or "text" (servers that only take strings)
     remote_timeout_s: float = 30.0
+    remote_verify: str = (
+        "auto"  # how verify is served: auto | prompt-logprobs | echo | generate | off (remote_engine.py)
+    )
     remote_concurrency: int = 64

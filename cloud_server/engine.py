@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import llama_cpp as lc
@@ -52,7 +52,7 @@ from cloud_server.kv_pool import EVICT_MODES, EngineStats, KVPool, Residency
 from shared.decision import cloud_choice, judge_draft
 from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaModel
 from shared.model_info import ModelInfo
-from shared.protocol import SamplingParams
+from shared.protocol import SamplingParams, Work
 from shared.sampling import NO_GUESS, Guess, Sampler, SamplingError, log_softmax_at
 
 __all__ = ["CloudEngine", "EngineStats", "SeqState"]
@@ -72,6 +72,13 @@ class SeqState:
     ready_len: int = -1
     guess: int = -1  # the token announced for the next position (a `next` message), written if asked there
     guess_logprob: float = 0.0
+    work: Work = field(default_factory=Work)  # passes and tokens since the session last took them (take_work)
+
+    def count_pass(self, kind: str, n_tokens: int) -> None:
+        """One forward pass that processed `n_tokens` of this session's tokens for `kind` (a Work field)."""
+        if n_tokens > 0:
+            self.work.passes += 1
+            setattr(self.work, kind, getattr(self.work, kind) + n_tokens)
 
     @property
     def has_ready(self) -> bool:
@@ -151,7 +158,12 @@ class CloudEngine:
         self._seqs: dict[int, SeqState] = {}  # by handle
         self._next_handle = 0
         self._caps = Capabilities(
-            "llama.cpp", self.model.n_vocab, guess=True, verify=True, max_verify_tokens=self.ctx.n_batch - 1
+            "llama.cpp",
+            self.model.n_vocab,
+            guess=True,
+            verify=True,
+            max_verify_tokens=self.ctx.n_batch - 1,
+            how="embedded llama.cpp: every logit in-process",
         )
 
     # ---------------------------------------------------------------- what it is
@@ -233,6 +245,14 @@ class CloudEngine:
         s.drop_ready()  # the same length may come back with other tokens
         self.pool.truncate(s.kv, n)
 
+    def take_work(self, handle: int) -> Work:
+        """The session's passes and tokens since the last call (then reset)."""
+        s = self._seqs.get(handle)
+        if s is None:
+            return Work()
+        work, s.work = s.work, Work()
+        return work
+
     def close_all(self) -> None:
         for handle in list(self._seqs):
             self.close(handle)
@@ -249,7 +269,9 @@ class CloudEngine:
         if end <= s.kv.n_decoded or not s.history:
             return 0.0
         t0 = time.perf_counter()
+        n = end - s.kv.n_decoded
         s.keep_ready(self._decode_to(s, end))
+        s.count_pass("prefill_tokens", n)
         dt = time.perf_counter() - t0
         s.compute_s += dt
         return dt
@@ -266,7 +288,10 @@ class CloudEngine:
             token, logprob = self._write_ready(s, ready, proposed)
         else:
             self._redo_last(s)
-            token, logprob = self._write(s, self._decode_to(s, len(s.history)), proposed)
+            n = len(s.history) - s.kv.n_decoded
+            logits = self._decode_to(s, len(s.history))
+            s.count_pass("generate_tokens", n)
+            token, logprob = self._write(s, logits, proposed)
         dt = time.perf_counter() - t0
         s.compute_s += dt
         return GenerateResult(token, logprob, dt)
@@ -284,6 +309,9 @@ class CloudEngine:
         g = Guess.of(s.ready, s.guess)
         s.guess_logprob = g.logprob
         return g
+
+    def expect_guess(self, handle: int, wanted: bool) -> None:
+        """Nothing to prepare: the guess comes from decoding the written token (see `guess`)."""
 
     def verify(
         self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
@@ -307,7 +335,9 @@ class CloudEngine:
         s.drop_ready()
         self._redo_last(s)
         if s.kv.n_decoded < base - 1:
+            n = base - 1 - s.kv.n_decoded
             self._decode_to(s, base - 1, want_logits=False)  # pending history, no outputs
+            s.count_pass("verify_tokens", n)
         self.pool.ensure(s.kv, len(tokens) + 1, n_history=base)
         rows = [s.history[-1], *tokens]  # row r predicts the token at offset r
         exact = set(check)
@@ -318,6 +348,7 @@ class CloudEngine:
         except Exception as exc:
             self.pool.discard_partial(s.kv)  # the history is unchanged: so are its cells
             _raise_named(exc)
+        s.count_pass("verify_tokens", len(rows))
         self.pool.decoded(s.kv, base + len(tokens))
         self.pool.truncate(s.kv, base + result.accepted)  # drafted tokens the history keeps
         s.history.extend(tokens[: result.accepted])
@@ -389,6 +420,9 @@ class CloudEngine:
                 continue
             n_items += len(items)
             n_tokens += sum(len(it.tokens) for it in items)
+            for p, item in zip(group, items):  # one pass for each session in it (shared/protocol.py, Work)
+                kind = "generate_tokens" if reqs[p.index].kind == GENERATE else "prefill_tokens"
+                p.state.count_pass(kind, len(item.tokens))
             for p, out in zip(group, outs):
                 self._finish(p, reqs[p.index], outcomes[p.index], out)
         for r, o in zip(reqs, outcomes):

@@ -3,9 +3,12 @@
 Why a Protocol: the server runs either the embedded llama.cpp engine
 (cloud_server/engine.py, batched on one thread) or a remote completions
 server (cloud_server/remote_engine.py). They differ in what they can do (a
-remote engine sees no logits, so it can neither guess ahead nor verify), so
-each says so in `capabilities()`, and the session asks that instead of
-reaching into an engine's context or model. An engine refuses what a client
+remote engine sees only the top log-probabilities its server returns, and
+some servers return none), so each says so in `capabilities()`, the session
+lists that in its `accept` (protocol v2) and refuses the rest by name instead
+of reaching into an engine's context or model. Each engine counts its work
+per session (`take_work`: forward passes, tokens per kind, remote requests),
+which the session reports with its replies. An engine refuses what a client
 asked for with an `EngineError`, which names the protocol error code the
 client gets; anything else escaping an engine is a bug.
 
@@ -18,7 +21,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from shared.protocol import ErrorCode, SamplingParams
+from shared.protocol import CAP_GENERATE, CAP_GUESS, CAP_VERIFY, ErrorCode, SamplingParams, Work
 from shared.sampling import Guess
 
 T = TypeVar("T")
@@ -86,6 +89,13 @@ class Capabilities:
     guess: bool = False  # lookahead: `guess` announces the next token (else the device gets a `next` with -1)
     verify: bool = False
     max_verify_tokens: int = 0  # drafted tokens one verify may carry
+    how: str = ""  # how guesses and verifies are made, for /v1/info (e.g. "echo", "prompt-logprobs")
+
+    def names(self) -> list[str]:
+        """The capability names an `accept` lists (shared/protocol.py, CAP_*)."""
+        return [
+            n for n, on in ((CAP_GENERATE, self.generate), (CAP_GUESS, self.guess), (CAP_VERIFY, self.verify)) if on
+        ]
 
 
 @runtime_checkable
@@ -118,11 +128,20 @@ class Engine(Protocol):
 
     def guess(self, handle: int) -> Guess: ...
 
+    def expect_guess(self, handle: int, wanted: bool) -> None:
+        """Whether `guess` follows the session's next generate (the device asked for lookahead): an
+        engine that makes both in one request (remote: `max_tokens: 2`) must know before."""
+        ...
+
     def verify(
         self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
     ) -> VerifyResult: ...
 
     def is_eog(self, token: int) -> bool: ...
+
+    def take_work(self, handle: int) -> Work:
+        """The session's work since the last call (then reset); see shared/protocol.py's `Work`."""
+        ...
 
     def close_all(self) -> None: ...
 

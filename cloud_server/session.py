@@ -11,6 +11,11 @@ refused with a named error, and an engine's refusal (`EngineError`, a
 `SamplingError`) becomes the error code it names; the session lives on.
 A refused `generate` leaves the history as it was, so the device may retry at
 the same position.
+
+Protocol v2: the `accept` lists the engine's capabilities (what the device may
+ask for), and every reply carries the engine's work for this session since the
+previous reply (forward passes, tokens per kind, remote requests: shared/protocol.py
+`Work`), background prefill included. A v1 device is served as before.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from cloud_server.services import Services
 from shared.model_info import ModelInfo
 from shared.protocol import (
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    WORK_FIELDS,
     Accept,
     Close,
     ErrorCode,
@@ -46,12 +53,18 @@ from shared.protocol import (
     Tokens,
     Verdict,
     Verify,
+    Work,
     sampling_from_dict,
     token_hash,
 )
 from shared.sampling import NO_GUESS, Guess, SamplingError
 
 log = logging.getLogger(__name__)
+
+
+def vars_of(work: Work) -> dict[str, int]:
+    """A Work's fields as keyword arguments of a reply message."""
+    return {f: getattr(work, f) for f in WORK_FIELDS}
 
 
 class ConnectionDone(Exception):
@@ -157,10 +170,11 @@ class Connection:
         raise ConnectionDone(reason)
 
     async def _hello(self, msg: Hello) -> None:
-        if msg.version != PROTOCOL_VERSION:
+        if msg.version not in SUPPORTED_VERSIONS:
             await self._reject(
                 ErrorCode.VERSION_MISMATCH,
-                f"protocol version {msg.version} not supported; this server speaks {PROTOCOL_VERSION}",
+                f"protocol version {msg.version} not supported; this server speaks "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))}",
             )
         key = self.keys.identify(msg.api_key)
         if key is None:
@@ -203,6 +217,9 @@ class Connection:
                 n_prompt=len(prompt),
                 prompt_hash=token_hash(prompt),
                 max_message_bytes=self.config.max_message_bytes,
+                version=min(msg.version, PROTOCOL_VERSION),
+                capabilities=self.caps.names(),
+                max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify else 0,
             )
         )
         await self._prefill(st)
@@ -222,6 +239,10 @@ class Connection:
     async def _prefill(self, st: SessionState) -> None:
         with engine_errors():
             self.prefill_ms += 1000.0 * await self.worker.prefill(st.handle)
+
+    def _take_work(self, st: SessionState) -> Work:
+        """The engine's work for this session not yet reported (carried by the next reply)."""
+        return self.engine.take_work(st.handle)
 
     async def _sync(self, st: SessionState, msg: Sync) -> None:
         self._check_position(st, "sync", msg.position)
@@ -284,6 +305,8 @@ class Connection:
         # the first token: refused, it leaves the history as it was (the device may retry at msg.position)
         self._admit_hard_tokens(st, 1, carried=len(msg.tokens))
         self.engine.append(st.handle, msg.tokens)
+        if self.caps.guess:
+            self.engine.expect_guess(st.handle, msg.lookahead and msg.max_tokens == 1)
         try:
             with engine_errors():
                 first = await self.worker.generate(st.handle, msg.proposed)
@@ -308,7 +331,7 @@ class Connection:
             self.cloud_tokens += 1
             if i == 0 and self.recorder is not None and msg.hidden is not None:  # flywheel (opt-in)
                 self.recorder.record(self.edge_model, msg.hidden, msg.proposed, token, position)
-            await self._send_tokens(msg.request_id, position + i, written, final, eog)
+            await self._send_tokens(st, msg.request_id, position + i, written, final, eog)
             self.services.metrics.hard_token_time.observe(time.perf_counter() - t_received)
             t_received = time.perf_counter()
             if final:
@@ -316,10 +339,14 @@ class Connection:
                     await self._send_next(st, msg.request_id, position + i + 1)
                 return
 
-    async def _send_tokens(self, request_id: int, position: int, w: GenerateResult, final: bool, eog: bool) -> None:
+    async def _send_tokens(
+        self, st: SessionState, request_id: int, position: int, w: GenerateResult, final: bool, eog: bool
+    ) -> None:
         prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
+        work = self._take_work(st)
         await self.send(
             Tokens(
+                **vars_of(work),
                 request_id=request_id,
                 position=position,
                 ids=[w.token],
@@ -337,14 +364,20 @@ class Connection:
         background prefill with the next reply. No guess (-1, which the device reads as none)
         when the engine cannot guess or the guess fails: the tokens are already sent."""
         g: Guess = NO_GUESS
+        work = self._take_work(st)
         if self.caps.guess:
             try:
                 self.prefill_ms += 1000.0 * await self.worker.prefill(st.handle)
                 g = await self.worker.call(self.engine.guess, st.handle)
             except (EngineError, SamplingError) as exc:
                 log.debug("session %s: no lookahead guess (%s)", st.session_id, exc)
+            guess = self.engine.take_work(st.handle)  # the decode of the written token: the guess's work
+            guess.guess_tokens += guess.prefill_tokens
+            guess.prefill_tokens = 0
+            work.add(guess)
         await self.send(
             Next(
+                **vars_of(work),
                 request_id=request_id,
                 position=position,
                 token=g.token,
@@ -381,8 +414,10 @@ class Connection:
                 cloud = r.token if off == r.accepted else msg.tokens[off]  # at the rejection, the cloud's own token
                 self.recorder.record(self.edge_model, hidden, msg.tokens[off], cloud, msg.position + off)
         prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
+        work = self._take_work(st)
         await self.send(
             Verdict(
+                **vars_of(work),
                 request_id=msg.request_id,
                 position=msg.position,
                 accepted=r.accepted,

@@ -34,6 +34,14 @@ class Traffic:
     cloud_compute_ms: float = 0.0  # all cloud model time, background prefill included
     wait_ms: float = 0.0  # device time spent waiting on cloud replies (network + cloud compute)
     background_ms: float = 0.0  # the part of cloud_compute_ms done while the device was not waiting
+    # the cloud model's work, reported with its replies (protocol v2; shared/protocol.py `Work`): units
+    # that carry over to a GPU (docs/server.md, "what it costs on a GPU"); 0 from a v1 server
+    passes: int = 0  # forward passes (each reads the weights once, whatever its number of tokens)
+    prefill_tokens: int = 0  # tokens processed in background after hello/sync
+    generate_tokens: int = 0  # tokens processed on the way to hard tokens
+    verify_tokens: int = 0  # tokens processed to judge drafts (the check)
+    guess_tokens: int = 0  # tokens processed for lookahead guesses
+    engine_requests: int = 0  # requests to a remote engine (0 with the embedded one)
 
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Traffic)))
@@ -43,6 +51,23 @@ class Traffic:
 
     def to_json(self) -> dict[str, float]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+    @property
+    def cloud_tokens_processed(self) -> int:
+        """All tokens the cloud model processed, every kind."""
+        return self.prefill_tokens + self.generate_tokens + self.verify_tokens + self.guess_tokens
+
+    def work_json(self) -> dict[str, int]:
+        """The cloud's work alone (the `cloud_work` object of `--json`)."""
+        return {
+            "passes": self.passes,
+            "tokens": self.cloud_tokens_processed,
+            "prefill_tokens": self.prefill_tokens,
+            "generate_tokens": self.generate_tokens,
+            "verify_tokens": self.verify_tokens,
+            "guess_tokens": self.guess_tokens,
+            "engine_requests": self.engine_requests,
+        }
 
 
 @dataclass(slots=True)
@@ -81,6 +106,9 @@ class Answer:
     overruled_positions: list[int] = field(
         default_factory=list
     )  # where the cloud's check replaced an unflagged device token
+    cloud_capabilities: list[str] | None = None  # what the cloud's engine can do (its accept); None: no cloud
+    cloud_mode: str = ""  # how the cloud was asked, after fallbacks (e.g. "per-token+guess+check"; "none", "stream")
+    cloud_mode_asked: str = ""  # how the options asked for it (differs when the cloud cannot do something)
     edge_model: str = ""
     cloud_model: str = ""
     routing_log: bytes = b""
@@ -142,6 +170,10 @@ class Answer:
             "lookahead_tokens": self.lookahead_tokens,
             "lookahead_positions": self.lookahead_positions,
             "overruled_positions": self.overruled_positions,
+            "cloud_capabilities": self.cloud_capabilities,
+            "cloud_mode": self.cloud_mode,
+            "cloud_mode_asked": self.cloud_mode_asked,
+            "cloud_work": self.traffic.work_json(),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,
             "drift": self.drift,

@@ -3,6 +3,7 @@
 tokenrouter-edge ask "TEXT" [--cloud URL|local|none] [--policy edge|cloud|router]
                  [--threshold T | --cloud-fraction F] [--max-tokens N] [--seed N] [--json]
 tokenrouter-edge models          list the registered models and their fingerprints
+tokenrouter-edge app             the desktop assistant: a local page in the browser (docs/app.md)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from edge_client.cloud_link import CloudRejected
 from edge_client.generator import open_generator
 from edge_client.options_cli import add_generation_options, options_from_args
 from edge_client.voice.cli import add_subcommands
+from edge_client.webapp.cli import add_app_subcommand
 from models.registry import ModelNotFoundError, available_models
 from shared import routing_log
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_options(ask)
     sub.add_parser("models", help="list registered models")
     add_subcommands(sub)  # devices, listen, file (edge_client/voice/cli.py)
+    add_app_subcommand(sub)  # app: the desktop assistant in the browser (edge_client/webapp/cli.py)
     return ap
 
 
@@ -50,6 +53,18 @@ def render_human(answer: Answer, color: bool) -> str:
         f" {lat.per_token_p50:.1f} ms/token p50, total {lat.total:.0f} ms,"
         f" up {answer.bytes_up} B / down {answer.bytes_down} B"
     )
+    if answer.cloud_mode not in ("", "none"):
+        summary += f"\ncloud mode {answer.cloud_mode}"
+        if answer.cloud_capabilities is not None:
+            summary += f" (the server can: {', '.join(answer.cloud_capabilities)})"
+        if answer.cloud_mode != answer.cloud_mode_asked:
+            summary += f"; asked for {answer.cloud_mode_asked}, which this server cannot do"
+        t = answer.traffic
+        summary += (
+            f"\ncloud work: {t.passes} forward passes, {t.cloud_tokens_processed} tokens processed"
+            f" (prefill {t.prefill_tokens}, generate {t.generate_tokens}, verify {t.verify_tokens},"
+            f" guess {t.guess_tokens}), {t.engine_requests} engine requests"
+        )
     if answer.degraded:
         summary += "\n(degraded: the cloud was unavailable, the device answered alone)"
     return "".join(out) + summary

@@ -8,7 +8,9 @@ the device and marks the answer degraded.
 
 The link also records the tokens the cloud holds (`held`, `cloud_len`), so the
 device knows which tokens to send with the next message and how to bring a
-session it reuses in line with a new turn (`resync`).
+session it reuses in line with a new turn (`resync`), what the server's engine
+can do (`capabilities`, from its accept: protocol v2), and the cloud's work
+that every reply reports (`stats`: passes, tokens per kind, engine requests).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from edge_client.answer import Traffic
 from edge_client.decoder import common_prefix
 from shared.model_info import ModelInfo
 from shared.protocol import (
+    ALL_CAPABILITIES,
     PROTOCOL_VERSION,
+    WORK_FIELDS,
     Accept,
     Close,
     Error,
@@ -41,6 +45,7 @@ from shared.protocol import (
     Tokens,
     Verdict,
     Verify,
+    Work,
     decode,
     encode,
     token_hash,
@@ -103,6 +108,13 @@ class CloudLink:
     @property
     def connected(self) -> bool:
         return self._ws is not None
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What the server's engine can do (its accept; a v1 server: everything was assumed)."""
+        if self.accept is None:
+            return list(ALL_CAPABILITIES)
+        return list(self.accept.capabilities)
 
     # ---------------------------------------------------------------- session
 
@@ -299,7 +311,13 @@ class CloudLink:
         )
         t0 = time.perf_counter()
         while True:
-            reply = self._recv(self.timeout_s)
+            try:
+                reply = self._recv(self.timeout_s)
+            except CloudTimeout:
+                # Abandon it, as a slow generate: the cloud finishes the verify, then this rollback undoes it.
+                self.consecutive_timeouts += 1
+                self.rollback(self.cloud_len)
+                raise
             if self._stale_error(reply, request_id):
                 continue
             if isinstance(reply, Verdict) and reply.request_id == request_id:
@@ -316,6 +334,7 @@ class CloudLink:
         self.stats.background_ms += reply.prefill_ms
         self.stats.round_trips += 1
         self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
+        self.consecutive_timeouts = 0
         return reply
 
     # ---------------------------------------------------------------- framing
@@ -353,7 +372,11 @@ class CloudLink:
             raise CloudUnavailable(f"connection lost: {exc}") from exc
         self.stats.bytes_down += len(frame) if isinstance(frame, bytes) else len(frame.encode())
         try:
-            return decode(frame, self._max_bytes)
+            msg = decode(frame, self._max_bytes)
         except ProtocolError as exc:
             self.close_quietly()
             raise CloudUnavailable(f"cloud sent a bad frame: {exc}") from exc
+        if isinstance(msg, Work):  # a reply's report of the cloud's work, stale replies' too: it was done
+            for name in WORK_FIELDS:
+                setattr(self.stats, name, getattr(self.stats, name) + getattr(msg, name))
+        return msg

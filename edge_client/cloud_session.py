@@ -6,8 +6,9 @@ None (or False) when the cloud could not answer, after dropping the link
 where it is lost. The answer then continues on the device and is marked
 degraded; the next answer reconnects and rebuilds the session from the
 device's history. A slow cloud is not a lost cloud: a hard token that misses
-its deadline is written by the device, the link rolls the abandoned request
-back and stays (docs/architecture.md, "Failure and fallback").
+its deadline is written by the device, a clause whose check misses it stands
+as drafted, and the link rolls the abandoned request back and stays
+(docs/architecture.md, "Failure and fallback").
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class CloudSession:
     @property
     def cloud_len(self) -> int:
         return self.link.cloud_len if self.link is not None else 0
+
+    @property
+    def capabilities(self) -> list[str] | None:
+        """What the connected server's engine can do (None: no cloud connected)."""
+        return self.link.capabilities if self.link is not None else None
 
     # ---------------------------------------------------------------- the session's life
 
@@ -212,6 +218,12 @@ class CloudSession:
         try:
             link.sync(history[link.cloud_len :])
             return link.verify(drafts, check, bonus=bonus, tolerance=tolerance, hidden=hidden)
+        except CloudTimeout as exc:  # slow, not gone: the link rolled the verify back; the drafts stand
+            self.timeouts += 1
+            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
+                self.retire()
+                self.last_error = str(exc)
+            return None
         except LinkErrors as exc:
             self.lose(exc)
             return None

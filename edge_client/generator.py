@@ -9,6 +9,10 @@ with the cloud's check the device drafts each clause for one `verify`.
 The cloud session's life (connect, resync, reconnect, loss, traffic) is kept
 by edge_client/cloud_session.py. If the cloud is lost, the answer continues
 on the device and is marked degraded; the next answer tries to reconnect.
+The device asks only for what the server's engine can do (its accept lists
+it, protocol v2): without `verify` the check falls back to the per-token
+phase, without `guess` lookahead is off (`negotiated`); the answer says which
+mode it used (`cloud_mode`).
 
     with open_generator(GeneratorOptions(cloud="local")) as gen:
         answer = gen.generate([{"role": "user", "content": "Hi"}], on_token=print)
@@ -33,11 +37,12 @@ from edge_client.options import GeneratorOptions
 from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVerify, PerToken, Span, Strategy, Turn
 from edge_client.writer import AnswerWriter
 from models.registry import model_info
-from shared.decision import AnswerRule, ClauseEnds, OverruledShare
+from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RuleOptions
 from shared.learned_router import load_router
 from shared.llama_backend import LlamaModel
 from shared.model_info import ModelInfo
 from shared.policy import RoutingPolicy
+from shared.protocol import CAP_GUESS, CAP_VERIFY
 from shared.router import HeuristicRouter, Router
 from shared.sampling import Sampler
 
@@ -183,11 +188,19 @@ class RoutedGenerator:
         cloud = self.cloud
         use_cloud = mode != "edge" and cloud.configured
         degraded = use_cloud and not cloud.start_answer(messages, prompt, lambda: self.decoder.history)
+        caps = cloud.capabilities if use_cloud else None
+        rule_options, strategy = negotiated(self.opts.rule(), self.opts.strategy, caps)
+        if rule_options != self.rule.options:  # this server cannot do all that was asked (or now can again)
+            self.rule = AnswerRule(rule_options, self.rule.clause_ends)
+        self._per_token = PER_TOKEN_STRATEGIES[strategy]
         answer = Answer(
             policy=self.policy.name,
             degraded=degraded,
             edge_model=self.edge.info.fingerprint,
             cloud_model=cloud.cloud_model if use_cloud else "",
+            cloud_capabilities=caps,
+            cloud_mode=cloud_mode(mode, use_cloud, rule_options, strategy),
+            cloud_mode_asked=cloud_mode(mode, use_cloud, self.opts.rule(), self.opts.strategy),
         )
         traffic0, timeouts0 = cloud.traffic(), cloud.timeouts
         turn = Turn(
@@ -232,6 +245,35 @@ class RoutedGenerator:
 _DEVICE_ONLY = DeviceOnly()
 _STREAM = CloudStream()
 _CHECK = ClauseCheck()
+
+
+def negotiated(rule: RuleOptions, strategy: str, caps: list[str] | None) -> tuple[RuleOptions, str]:
+    """The rule and per-token strategy this server's engine supports: the next best mode where it
+    cannot do what was asked (check -> per-token with guess -> per-token). `caps` None: no cloud
+    connected now (the options stand; a lost cloud falls back on its own)."""
+    if caps is None:
+        return rule, strategy
+    if CAP_VERIFY not in caps:
+        rule = replace(rule, check="off")
+        if strategy in ("verify", "speculative"):  # draft-then-check strategies need verify too
+            strategy = "per-token"
+    if CAP_GUESS not in caps:
+        rule = replace(rule, lookahead=False)
+    return rule, strategy
+
+
+def cloud_mode(mode: str, use_cloud: bool, rule: RuleOptions, strategy: str) -> str:
+    """How the cloud is asked, in words for `--json` and the summary: "none", "stream", or the
+    per-token strategy with "+guess" (lookahead) and "+check" (the check after the first clause);
+    "check" alone with `--check all`."""
+    if not use_cloud:
+        return "none"
+    if mode == "cloud":
+        return "stream"
+    if rule.check == "all":
+        return "check"
+    return strategy + ("+guess" if rule.lookahead else "") + ("+check" if rule.check != "off" else "")
+
 
 ROUTERS_DIR = Path(__file__).resolve().parents[1] / "models" / "routers"
 

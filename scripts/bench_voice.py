@@ -1,7 +1,10 @@
-"""Voice latency benchmark: spoken CLINC150 `val` queries through the file pipeline at real-time pace.
+"""Voice latency benchmark: spoken CLINC150 queries through the file pipeline at real-time pace.
 
     python scripts/bench_voice.py [--n 30] [--out build/voice_bench.json]
     python scripts/bench_voice.py --compare="--no-complete-prefill"   # A/B, query by query
+    python scripts/bench_voice.py --pauses --n 30    # turn-taking: queries with mid-utterance pauses, and the
+                                                     # fluent ones, each run with the defaults and silence-only
+    python scripts/bench_voice.py --recognition --n 100 [--whisper-dir DIR]   # streaming final vs offline WER
 
 Queries come from CLINC150 (Larson et al. 2019, CC BY 3.0), synthesised with
 the bundled Piper voice. Each query is one fresh single-turn dialogue with the
@@ -9,12 +12,26 @@ local loopback cloud server and the router policy. Reports end-of-speech ->
 first audio and endpoint -> first audio (p50, p95, % under 150 ms), the stage
 breakdown (p50 of each stage after end of speech) and the recognition WER.
 Each turn stops once its first audio is out (the rest of the reply is not played).
+
+`--recognition` needs no language model: for n fluent and n paused queries it compares the
+offline transcript of the whole WAV (faster-whisper's `transcribe`, 30 s context) with the one
+the pipeline's final decode makes when the turn is not cut off (the utterance from the VAD's
+pre-roll to the first silent frame of its last pause, long pauses shortened, context cut to the
+utterance), replayed frame by frame; `--whisper-dir` adds a second CTranslate2 model.
+
+`--pauses` adds queries with natural hesitations: CLINC150 train/val queries spoken in one go
+with a 300-900 ms pause after a word that needs the next one ("set a timer for, ten minutes"),
+sometimes with a filler ("in, um, Boston"); two pauses in queries of 10+ words. For each set
+and config it reports the false cut-off rate (the reply's first audio starts before the
+person's last word ends), end of speech -> first audio measured from the true end of the
+utterance (p50/p95 over the turns not cut off), the WER and how often the drafted reply hit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -27,13 +44,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from voice_audio import spoken_wav, wer  # noqa: E402
+from voice_audio import (  # noqa: E402
+    pause_query,
+    speech_span,
+    spoken_wav,
+    spoken_wav_with_pauses,
+    streaming_final,
+    wer,
+    without_fillers,
+)
 
 from edge_client.generator import open_generator  # noqa: E402
 from edge_client.options import DEFAULT_CHECK, GeneratorOptions  # noqa: E402
-from shared.decision import CHECK_MODES  # noqa: E402
+from edge_client.voice.asr import AsrOptions, Transcriber  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
+from edge_client.voice.endofturn import TurnOptions  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
+from edge_client.voice.vad import VadOptions  # noqa: E402
+from edge_client.voice.wavfile import read_wav  # noqa: E402
+from shared.decision import CHECK_MODES  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
 
@@ -47,26 +76,69 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=str(ROOT / "build" / "voice_bench.json"))
-    ap.add_argument("--compare", metavar="FLAGS", default=None,
-                    help='also run every query with these pipeline flags (e.g. "--no-complete-prefill"), alternating which goes first; '
-                         "reports both and the per-query difference")
+    ap.add_argument(
+        "--compare",
+        metavar="FLAGS",
+        default=None,
+        help='also run every query with these pipeline flags (e.g. "--no-complete-prefill"), '
+        "alternating which goes first; "
+        "reports both and the per-query difference",
+    )
     ap.add_argument("--no-speculative", action="store_true")
     ap.add_argument("--no-prefill", action="store_true", help="do not prefill the prompt from partial transcripts")
-    ap.add_argument("--no-complete-prefill", action="store_true", help="prefill partials only up to their last word (no template tail)")
-    ap.add_argument("--no-priority", action="store_true", help="let generation run while the first clause is synthesised")
+    ap.add_argument(
+        "--no-complete-prefill",
+        action="store_true",
+        help="prefill partials only up to their last word (no template tail)",
+    )
+    ap.add_argument(
+        "--no-priority", action="store_true", help="let generation run while the first clause is synthesised"
+    )
     ap.add_argument("--speculate-after-ms", type=int, default=None)
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument("--stop-delay-ms", type=int, default=None)
     ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
-    ap.add_argument("--check", nargs="?", const="all", default=DEFAULT_CHECK, choices=CHECK_MODES,
-                    help="the cloud's check (default: the generator's): one verify per clause, tokens spoken only once checked")
-    ap.add_argument("--asr-threads", type=int, default=None, help="CTranslate2 threads for Whisper (not with --compare: one recogniser serves both)")
+    ap.add_argument(
+        "--check",
+        nargs="?",
+        const="all",
+        default=DEFAULT_CHECK,
+        choices=CHECK_MODES,
+        help="the cloud's check (default: the generator's): one verify per clause, tokens spoken only once checked",
+    )
+    ap.add_argument(
+        "--asr-threads",
+        type=int,
+        default=None,
+        help="CTranslate2 threads for Whisper (not with --compare: one recogniser serves both)",
+    )
+    ap.add_argument(
+        "--pauses",
+        action="store_true",
+        help='queries with mid-utterance pauses and the fluent ones; B defaults to --compare="--turn-mode silence"',
+    )
+    ap.add_argument("--seed", type=int, default=0, help="picks the pause queries, their pauses and fillers")
+    ap.add_argument("--turn-mode", choices=("smart", "silence"), default=None)
+    ap.add_argument("--min-wait-ms", type=int, default=None)
+    ap.add_argument("--max-wait-ms", type=int, default=None)
+    ap.add_argument("--turn-threshold", type=float, default=None)
+    ap.add_argument("--no-text-cue", action="store_true")
+    ap.add_argument("--draft", action="store_true", help="draft the reply from partial transcripts")
+    ap.add_argument("--partial-interval-ms", type=int, default=None)
+    ap.add_argument(
+        "--recognition", action="store_true", help="offline vs streaming-final WER only (no language model)"
+    )
+    ap.add_argument("--whisper-dir", default=None, help="with --recognition: also this CTranslate2 Whisper directory")
     return ap
 
 
 def voice_options(args: argparse.Namespace) -> VoiceOptions:
-    vopts = VoiceOptions(speculative=not args.no_speculative, prefill_partials=not args.no_prefill, first_chunk_priority=not args.no_priority,
-                         prefill_complete=not args.no_complete_prefill)
+    vopts = VoiceOptions(
+        speculative=not args.no_speculative,
+        prefill_partials=not args.no_prefill,
+        first_chunk_priority=not args.no_priority,
+        prefill_complete=not args.no_complete_prefill,
+    )
     if args.speculate_after_ms is not None:
         vopts.speculate_after_ms = args.speculate_after_ms
     if args.first_max_words is not None:
@@ -75,6 +147,15 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
         vopts.vad.stop_delay_ms = args.stop_delay_ms
     if args.asr_threads is not None:
         vopts.asr.cpu_threads = args.asr_threads
+    if args.partial_interval_ms is not None:
+        vopts.asr.partial_interval_ms = args.partial_interval_ms
+    t = vopts.turn
+    t.mode = args.turn_mode or t.mode
+    t.min_wait_ms = args.min_wait_ms or t.min_wait_ms
+    t.max_wait_ms = args.max_wait_ms or t.max_wait_ms
+    t.threshold = t.threshold if args.turn_threshold is None else args.turn_threshold
+    t.text_cue = not args.no_text_cue
+    vopts.draft = args.draft
     return vopts
 
 
@@ -86,18 +167,156 @@ def generation_flags(args: argparse.Namespace) -> dict[str, object]:
 def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
     e2a = [r["end_of_speech_to_first_audio_ms"] for r in rows if r["end_of_speech_to_first_audio_ms"] is not None]
     ep2a = [r["endpoint_to_first_audio_ms"] for r in rows if r["endpoint_to_first_audio_ms"] is not None]
-    stages = {k: pct([r["timings_ms"][k] for r in rows if r["timings_ms"][k] is not None], 50) for k in rows[0]["timings_ms"]}
+    stages = {
+        k: pct([r["timings_ms"][k] for r in rows if r["timings_ms"][k] is not None], 50) for k in rows[0]["timings_ms"]
+    }
     return {
-        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "n": len(rows),
-        "options": {"speculative": vopts.speculative, "prefill_partials": vopts.prefill_partials, "prefill_complete": vopts.prefill_complete,
-                    "first_chunk_priority": vopts.first_chunk_priority, "speculate_after_ms": vopts.speculate_after_ms,
-                    "first_max_words": vopts.tts.first_max_words, "stop_delay_ms": vopts.vad.stop_delay_ms, "asr_threads": vopts.asr.cpu_threads},
-        "eos_to_first_audio_ms": {"p50": pct(e2a, 50), "p95": pct(e2a, 95), "under_150_pct": 100 * np.mean(np.array(e2a) < 150)},
-        "endpoint_to_first_audio_ms": {"p50": pct(ep2a, 50), "p95": pct(ep2a, 95), "under_150_pct": 100 * np.mean(np.array(ep2a) < 150)},
+        "options": {
+            "speculative": vopts.speculative,
+            "prefill_partials": vopts.prefill_partials,
+            "prefill_complete": vopts.prefill_complete,
+            "first_chunk_priority": vopts.first_chunk_priority,
+            "speculate_after_ms": vopts.speculate_after_ms,
+            "first_max_words": vopts.tts.first_max_words,
+            "stop_delay_ms": vopts.vad.stop_delay_ms,
+            "asr_threads": vopts.asr.cpu_threads,
+        },
+        "eos_to_first_audio_ms": {
+            "p50": pct(e2a, 50),
+            "p95": pct(e2a, 95),
+            "under_150_pct": 100 * np.mean(np.array(e2a) < 150),
+        },
+        "endpoint_to_first_audio_ms": {
+            "p50": pct(ep2a, 50),
+            "p95": pct(ep2a, 95),
+            "under_150_pct": 100 * np.mean(np.array(ep2a) < 150),
+        },
         "stage_p50_ms_after_speech_end": stages,
         "wer_mean": float(np.mean([r["wer"] for r in rows])),
         "cloud_token_share": float(sum(r["n_cloud_tokens"] for r in rows) / max(1, sum(r["n_tokens"] for r in rows))),
+    }
+
+
+def offline_transcript(tx: Transcriber, audio: np.ndarray) -> str:
+    """The whole WAV decoded offline, the reference streaming recognition is held to: faster-whisper's own
+    `transcribe` (30 s context, no VAD), the same tiny.en model."""
+    segs, _ = tx.model.transcribe(
+        audio, language="en", beam_size=1, without_timestamps=True, condition_on_previous_text=False, vad_filter=False
+    )
+    return " ".join(s.text.strip() for s in segs).strip()
+
+
+def recognition(args: argparse.Namespace, data: dict) -> None:
+    """Offline vs streaming-final WER (and decode time) on the same WAVs, no language model."""
+    from edge_client.voice.tts import Synthesizer
+
+    synth = Synthesizer()
+    models = {"tiny.en": Transcriber(AsrOptions()), "tiny.en, no lead silence": Transcriber(AsrOptions(lead_s=0.0))}
+    if args.whisper_dir:
+        models[Path(args.whisper_dir).name] = Transcriber(AsrOptions(model_dir=args.whisper_dir))
+    val = data["val"]
+    step = max(1, len(val) // args.n)
+    items = [("fluent", val[i * step][0], val[i * step][0], {}) for i in range(args.n)]
+    items += [("pauses", q, text, p) for q, text, p in pause_set(data, args.n, args.seed)]
+    tmp = Path(tempfile.mkdtemp(prefix="voice-asr-"))
+    out: dict = {"command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]), "models": {}}
+    rows: list[dict] = []
+    for i, (kind, q, text, pauses) in enumerate(items):
+        wav = tmp / f"q{i}.wav"
+        if (spoken_wav_with_pauses(synth, text, pauses, wav) if pauses else spoken_wav(synth, text, wav)) is None:
+            continue
+        audio, _ = read_wav(wav)
+        row: dict = {"set": kind, "query": q, "spoken": text}
+        for name, tx in models.items():
+            t = time.perf_counter()
+            off = offline_transcript(tx, audio)
+            t_off = time.perf_counter() - t
+            t = time.perf_counter()
+            stream = streaming_final(tx, audio, VadOptions(), AsrOptions().max_gap_ms)
+            t_stream = time.perf_counter() - t
+            ref = without_fillers(q)
+            row[name] = {
+                "offline": off,
+                "streaming": stream,
+                "wer_offline": wer(ref, without_fillers(off)),
+                "wer_streaming": wer(ref, without_fillers(stream)),
+                "offline_s": t_off,
+                "streaming_s": t_stream,
+            }
+        rows.append(row)
+        print(
+            f"{i:3d} {kind:6s} "
+            + "  ".join(f"{n}: off {row[n]['wer_offline']:.2f} str {row[n]['wer_streaming']:.2f}" for n in models)
+            + f"  {text!r} -> {row['tiny.en']['streaming']!r}",
+            flush=True,
+        )
+    for name in models:
+        out["models"][name] = {
+            kind: {
+                "n": len(rs),
+                "wer_offline": float(np.mean([r[name]["wer_offline"] for r in rs])),
+                "wer_streaming": float(np.mean([r[name]["wer_streaming"] for r in rs])),
+                "offline_decode_ms_p50": 1000 * pct([r[name]["offline_s"] for r in rs], 50),
+                "streaming_replay_ms_p50": 1000 * pct([r[name]["streaming_s"] for r in rs], 50),
+            }
+            for kind in ("fluent", "pauses", "all")
+            for rs in [[r for r in rows if kind == "all" or r["set"] == kind]]
+        }
+    out["rows"] = rows
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["models"], indent=1))
+
+
+def pause_set(data: dict, n: int, seed: int) -> list[tuple[str, str, dict[int, int]]]:
+    """n (query, text to speak, pauses) from CLINC150 train + val, seeded."""
+    rng = np.random.default_rng(seed)
+    pool = [q for q, _ in data["train"] + data["val"]]
+    out = []
+    for i in rng.permutation(len(pool)):
+        pq = pause_query(pool[i], rng)
+        if pq is not None:
+            out.append((pool[i], pq[0], pq[1]))
+        if len(out) >= n:
+            break
+    return out
+
+
+def paired(rows_a: list[dict], rows_b: list[dict], key: str) -> dict:
+    diff = [b[key] - a[key] for a, b in zip(rows_a, rows_b) if a.get(key) is not None and b.get(key) is not None]
+    return {
+        "median": pct(diff, 50),
+        "mean": float(np.mean(diff)) if diff else float("nan"),
+        "b_slower_pct": 100 * float(np.mean(np.array(diff) > 0)) if diff else float("nan"),
+    }
+
+
+def turn_taking(rows: list[dict]) -> dict:
+    """Cut-offs, latency from the true end of the utterance, WER and drafts, for the --pauses report."""
+    cut = [r for r in rows if r["cut_off"]]
+    true_e2a = [
+        r["true_eos_to_first_audio_ms"]
+        for r in rows
+        if not r["cut_off"] and r["true_eos_to_first_audio_ms"] is not None
+    ]
+    ep2a = [r["endpoint_to_first_audio_ms"] for r in rows if r["endpoint_to_first_audio_ms"] is not None]
+    eot = [r["end_of_turn"] for r in rows if r.get("end_of_turn")]
+    return {
+        "n": len(rows),
+        "false_cut_off_pct": 100 * len(cut) / max(1, len(rows)),
+        "ended_early_pct": 100
+        * float(np.mean([r["ended_early"] for r in rows])),  # the turn was judged over before the last word
+        "true_eos_to_first_audio_ms": {"p50": pct(true_e2a, 50), "p95": pct(true_e2a, 95), "n": len(true_e2a)},
+        "endpoint_to_first_audio_ms": {"p50": pct(ep2a, 50), "p95": pct(ep2a, 95)},
+        "wer_mean": float(np.mean([r["wer"] for r in rows])),
+        "wer_offline_mean": float(
+            np.mean([r["wer_offline"] for r in rows])
+        ),  # the same audio decoded whole, 30 s context
+        "draft_hit_pct": 100 * float(np.mean([r["draft"] == "hit" for r in rows])),
+        "judged_finished_pct": 100 * float(np.mean([bool(e["finished"]) for e in eot])) if eot else float("nan"),
+        "smart_turn_ms_p50": pct([e["model_ms"] for e in eot if e.get("model_ms") is not None], 50),
     }
 
 
@@ -105,40 +324,104 @@ def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
     configs = [("a", voice_options(args), generation_flags(args))]
-    if args.compare:
-        args_b = ap.parse_args(sys.argv[1:] + args.compare.split())
+    compare = args.compare or ("--turn-mode silence" if args.pauses else None)
+    if compare:
+        args_b = ap.parse_args(sys.argv[1:] + compare.split())
         configs.append(("b", voice_options(args_b), generation_flags(args_b)))
-    val = json.load(open(args.data))["val"]
+    data = json.load(open(args.data))
+    if args.recognition:
+        return recognition(args, data)
+    val = data["val"]
     step = max(1, len(val) // args.n)
-    queries = [val[i * step][0] for i in range(args.n)]
+    # (set, query, text spoken, pauses): the fluent val queries, then with --pauses the paused ones
+    items = [("fluent", val[i * step][0], val[i * step][0], {}) for i in range(args.n)]
+    if args.pauses:
+        items += [("pauses", q, text, p) for q, text, p in pause_set(data, args.n, args.seed)]
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
     tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
     first = configs[0][1]
     with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=first.max_tokens, seed=0)) as gen:
-        eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt)
-        for i, q in enumerate(queries):
-            wav = spoken_wav(eng.synth, q, tmp / f"q{i}.wav")
-            order = configs if i % 2 == 0 else configs[::-1]  # alternate, so neither config always runs on a warmer cache
+        eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
+        for i, (kind, q, text, pauses) in enumerate(items):
+            wav = tmp / f"q{i}.wav"
+            if pauses:
+                true_end = spoken_wav_with_pauses(eng.synth, text, pauses, wav)
+                if true_end is None:
+                    print(f"{i:2d} skipped: no pause found in the synthesised {text!r}")
+                    continue
+            else:
+                spoken_wav(eng.synth, text, wav)
+                true_end = speech_span(*read_wav(wav))[1]
+            audio, rate = read_wav(wav)
+            offline = offline_transcript(eng.transcriber, audio)
+            order = (
+                configs if i % 2 == 0 else configs[::-1]
+            )  # alternate, so neither config always runs on a warmer cache
             for name, vopts, flags in order:
-                gen.lookahead, gen.check = flags["lookahead"], flags["check"]
+                gen.reconfigure(lookahead=flags["lookahead"], check=flags["check"])
                 t = time.monotonic()
-                obj = run_file_turn(gen, str(wav), str(tmp / f"r{i}{name}.wav"), vopts, realtime=True, engines=eng, first_audio_only=True)
-                obj["query"], obj["wer"], obj["wall_s"] = q, wer(q, obj["transcript"]), time.monotonic() - t
+                obj = run_file_turn(
+                    gen,
+                    str(wav),
+                    str(tmp / f"r{i}{name}.wav"),
+                    vopts,
+                    realtime=True,
+                    engines=eng,
+                    first_audio_only=True,
+                )
+                first_audio = obj.get("input_first_audio_s")
+                obj.update(
+                    set=kind,
+                    query=q,
+                    spoken=text,
+                    pauses_ms=list(pauses.values()),
+                    wall_s=time.monotonic() - t,
+                    wer=wer(without_fillers(q), without_fillers(obj["transcript"])),
+                    true_end_s=round(float(true_end), 4),
+                    offline_transcript=offline,
+                    wer_offline=wer(without_fillers(q), without_fillers(offline)),
+                    cut_off=bool(first_audio is not None and first_audio < true_end),
+                    ended_early=bool(obj.get("input_endpoint_s") is not None and obj["input_endpoint_s"] < true_end),
+                    true_eos_to_first_audio_ms=None
+                    if first_audio is None
+                    else round((first_audio - true_end) * 1000, 1),
+                )
                 rows[name].append(obj)
-                print(f"{i:2d}{name if len(configs) > 1 else ''} eos->audio {obj['end_of_speech_to_first_audio_ms']:7.1f} ms  endpoint->audio "
-                      f"{obj['endpoint_to_first_audio_ms']:7.1f} ms  wer {obj['wer']:.2f}  {q!r} -> {obj['transcript']!r}", flush=True)
-    result: dict = {"summary": summarise(rows["a"], configs[0][1]) | configs[0][2], "rows": rows["a"]}
-    if args.compare:
-        result["compare_flags"] = args.compare
-        result["summary_b"] = summarise(rows["b"], configs[1][1]) | configs[1][2]
-        result["rows_b"] = rows["b"]
-        diff = [b["end_of_speech_to_first_audio_ms"] - a["end_of_speech_to_first_audio_ms"] for a, b in zip(rows["a"], rows["b"])
-                if a["end_of_speech_to_first_audio_ms"] is not None and b["end_of_speech_to_first_audio_ms"] is not None]
-        result["paired_b_minus_a_ms"] = {"median": pct(diff, 50), "mean": float(np.mean(diff)) if diff else float("nan"),
-                                         "b_slower_pct": 100 * float(np.mean(np.array(diff) > 0)) if diff else float("nan")}
+                e = obj["end_of_turn"] or {}
+                print(
+                    f"{i:2d}{name if len(configs) > 1 else ''} {kind:6s} "
+                    f"eos->audio {obj['true_eos_to_first_audio_ms']:7.1f} ms (true end)  "
+                    f"endpoint->audio {obj['endpoint_to_first_audio_ms']:7.1f} ms  "
+                    f"{'CUT OFF ' if obj['cut_off'] else ('ENDED EARLY ' if obj['ended_early'] else '')}"
+                    f"p={e.get('probability')} wait={e.get('wait_ms')} draft={obj['draft']}  wer {obj['wer']:.2f}  "
+                    f"{text!r} -> {obj['transcript']!r}",
+                    flush=True,
+                )
+    result: dict = {"command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]), "configs": {}}
+    for name, vopts, flags in configs:
+        fluent = [r for r in rows[name] if r["set"] == "fluent"]
+        result["configs"][name] = {
+            "flags": "" if name == "a" else compare,
+            "summary": summarise(fluent, vopts) | flags | {"turn": vars(vopts.turn), "draft": vopts.draft},
+            "turn_taking": {
+                kind: turn_taking([r for r in rows[name] if r["set"] == kind])
+                for kind in ("fluent", "pauses")
+                if any(r["set"] == kind for r in rows[name])
+            },
+        }
+    if compare:
+        result["paired_b_minus_a_ms"] = {
+            kind: {
+                key: paired([r for r in rows["a"] if r["set"] == kind], [r for r in rows["b"] if r["set"] == kind], key)
+                for key in ("end_of_speech_to_first_audio_ms", "true_eos_to_first_audio_ms")
+            }
+            for kind in ("fluent", "pauses")
+            if any(r["set"] == kind for r in rows["a"])
+        }
+    result["rows"] = rows
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if not k.startswith("rows")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
 
 
 if __name__ == "__main__":

@@ -25,10 +25,18 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)  # a v1 device is served as before: it reads no capabilities and no work counters
 MAX_MESSAGE_BYTES = 1 << 20  # default limit for one frame, both directions
 MAX_TOKENS_PER_MESSAGE = 8192
 NEXT_TOP = 8  # how many of its most likely tokens the cloud lists in a `next` message
+
+# What a server's engine can do, listed in `accept.capabilities` (protocol v2); the device asks for nothing else.
+CAP_GENERATE = "generate"  # hard tokens (`generate`), always
+CAP_GUESS = "guess"  # lookahead: a `next` carries the cloud's guess (else token -1)
+CAP_VERIFY = "verify"  # `verify` (the device's check, draft-then-check policies)
+ALL_CAPABILITIES = (CAP_GENERATE, CAP_GUESS, CAP_VERIFY)  # what a v1 server was assumed to do
+MAX_CAPABILITIES = 16
 
 # Ranges every decoded message is held to (docs/protocol.md, "Field ranges"): a value outside them
 # is refused at the edge with bad_field, so it never reaches a session, the engine or a log line.
@@ -81,6 +89,43 @@ class SamplingParams:
     seed: int = 0
 
 
+# --------------------------------------------------------------------------- the cloud's work
+
+WORK_FIELDS = ("passes", "prefill_tokens", "generate_tokens", "verify_tokens", "guess_tokens", "engine_requests")
+
+
+@dataclass(slots=True, kw_only=True)
+class Work:
+    """The cloud model's work, in units that carry over from this CPU to a GPU (docs/server.md, "what it costs").
+
+    Why these units: a forward pass reads every weight once whatever the number of tokens in it, so
+    for a memory-bound large model on a GPU a pass over k <= ~32 tokens costs about one decode step;
+    wall-clock time on the development machine does not carry over. Replies (`tokens`, `next`,
+    `verdict`, protocol v2) carry the work done since the previous reply, background prefill
+    included; a zero field is left out of the frame. A pass is counted once per session that
+    took part in it (a batch of several sessions is one pass for each)."""
+
+    passes: int = 0  # forward passes that processed this session's tokens
+    prefill_tokens: int = 0  # tokens processed in background after hello/sync (and remote warm-ups)
+    generate_tokens: int = 0  # tokens processed on the way to a hard token (device tokens it carried, its own)
+    verify_tokens: int = 0  # tokens processed to judge drafts (drafts and any history the engine re-read)
+    guess_tokens: int = 0  # tokens processed to announce a lookahead guess
+    engine_requests: int = 0  # requests to a remote engine (0 with the embedded engine)
+
+    @property
+    def tokens(self) -> int:
+        """All tokens the cloud model processed."""
+        return self.prefill_tokens + self.generate_tokens + self.verify_tokens + self.guess_tokens
+
+    def work(self) -> Work:
+        """The work fields alone (of a reply message, which is a Work too)."""
+        return Work(**{f: getattr(self, f) for f in WORK_FIELDS})
+
+    def add(self, other: Work) -> None:
+        for f in WORK_FIELDS:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -110,6 +155,9 @@ class Accept:
     prompt_hash: str
     max_message_bytes: int = MAX_MESSAGE_BYTES
     version: int = PROTOCOL_VERSION
+    # v2: what this server's engine can do (CAP_*); absent from a v1 server: ALL_CAPABILITIES assumed
+    capabilities: list[str] = field(default_factory=lambda: list(ALL_CAPABILITIES))
+    max_verify_tokens: int = 0  # drafted tokens one verify may carry (0: not said)
 
 
 @dataclass(slots=True)
@@ -151,7 +199,7 @@ class Generate:
 
 
 @dataclass(slots=True)
-class Tokens:
+class Tokens(Work):
     """Cloud -> device: tokens written for a generate. Several may answer one request; the last has final=True."""
 
     type: ClassVar[str] = "tokens"
@@ -166,7 +214,7 @@ class Tokens:
 
 
 @dataclass(slots=True)
-class Next:
+class Next(Work):
     """Cloud -> device, after the final `tokens` of a generate that asked for lookahead: the
     token the cloud would write at `position` (the one after its last), not yet in the history.
 
@@ -215,7 +263,7 @@ class Verify:
 
 
 @dataclass(slots=True)
-class Verdict:
+class Verdict(Work):
     """Cloud -> device, the answer to a verify: the cloud's history is now
     position + accepted drafted tokens, then `token` if it is >= 0."""
 
@@ -276,6 +324,8 @@ def encode(msg: Message) -> str | bytes:
             arr = np.ascontiguousarray(value, dtype="<f2")
             header[f"{f.name}_dim"] = int(arr.size)
             payload = arr.tobytes()
+        elif f.name in _WORK and value == 0:
+            continue  # the cloud's work (v2): a zero counter is left out
         elif value is not None or f.name != "hidden":
             header[f.name] = value
     text = json.dumps(header, separators=(",", ":"))
@@ -383,7 +433,10 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "n_prompt": (0, INT32_MAX),
     "accepted": (0, INT32_MAX),
     "max_message_bytes": (0, INT32_MAX),
+    "max_verify_tokens": (0, INT32_MAX),
+    **{name: (0, INT32_MAX) for name in WORK_FIELDS},
 }
+_WORK = frozenset(WORK_FIELDS)
 _TOKEN_RANGE = (0, INT32_MAX)  # each item of tokens, ids, top_ids, check
 _FLOAT_MIN: dict[str, float] = {"tolerance": 0.0, "compute_ms": 0.0, "prefill_ms": 0.0}
 _ID_FIELDS = frozenset({"api_key", "edge_model", "tokenizer", "client"})  # short identifiers: no control characters
@@ -456,6 +509,11 @@ def _check(mtype: str, name: str, value: Any, hint: Any) -> Any:
         elif item is dict:
             if not all(isinstance(v, dict) for v in value):
                 raise _bad(mtype, name, "must hold objects")
+        elif item is str:  # capability names: short identifiers
+            if len(value) > MAX_CAPABILITIES or not all(
+                _is_text(v) and len(v) <= MAX_ID_CHARS and not _has_control(v) for v in value
+            ):
+                raise _bad(mtype, name, f"must hold at most {MAX_CAPABILITIES} names without control characters")
     else:  # pragma: no cover - a message field of a type this checker does not know
         raise TypeError(f"unchecked field type {hint!r}")
     return value

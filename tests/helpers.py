@@ -74,10 +74,14 @@ def model_alone(info: ModelInfo, messages: list[dict]) -> Iterator[tuple[LlamaMo
         model.close()
 
 
-def reference_greedy(info: ModelInfo, messages: list[dict], max_tokens: int) -> list[int]:
-    """Greedy decode straight on llama.cpp, token by token, as a model runs alone."""
+def reference_greedy(info: ModelInfo, messages: list[dict], max_tokens: int, prefix: list[int] = ()) -> list[int]:
+    """Greedy decode straight on llama.cpp, token by token, as a model runs alone: the answer to
+    `messages`, or its continuation after the answer tokens `prefix` (returned with them)."""
     with model_alone(info, messages) as (model, ctx, pos):
-        out: list[int] = []
+        for token in prefix:
+            ctx.decode_one(0, pos, token)
+            pos += 1
+        out: list[int] = list(prefix)
         while len(out) < max_tokens:
             token = int(np.argmax(ctx.logits(0)))
             out.append(token)

@@ -27,7 +27,7 @@ from shared.protocol import (
     encode,
 )
 from tests.conftest import chat
-from tests.helpers import make_generator
+from tests.helpers import agree_up_to_a_tie, make_generator, reference_greedy
 
 
 def hello(server: LocalCloudServer, info, key: str | None = None, tokenizer: str | None = None) -> Hello:
@@ -159,6 +159,10 @@ def test_lookahead_sends_the_next_token_the_cloud_then_writes(cloud_server, edge
 
 
 def test_server_killed_mid_answer_device_finishes_and_reconnects(edge_info):
+    """kill -9 of the server after five cloud tokens: the device finishes alone (degraded), its
+    answer from the fallback point on is the device model's own continuation (nothing lost or
+    duplicated; up to a near-tie its kernels may break either way), and the next question
+    reconnects to a new server on the same port."""
     edge = LlamaModel(edge_info)
     server = LocalCloudServer(model=DEFAULT_CLOUD_MODEL).start()
     gen = make_generator(edge, server, threshold=0.0, timeout_s=3.0)
@@ -176,6 +180,10 @@ def test_server_killed_mid_answer_device_finishes_and_reconnects(edge_info):
         assert a.routes[:5] == ["cloud"] * 5
         assert "cloud" not in a.routes[6:], "after the kill every token must come from the device"
         assert a.text.strip()
+        # nothing lost or duplicated: from the fallback point on, the answer is the device's own
+        k = a.routes.index("edge")
+        alone = reference_greedy(edge_info, chat("tell me about the moon"), a.n_tokens, prefix=a.tokens[:k])
+        assert agree_up_to_a_tie(edge_info, chat("tell me about the moon"), a.tokens, alone), (a.tokens, alone)
         # a new server on the same port: the next question reconnects and routes again
         server = LocalCloudServer(model=DEFAULT_CLOUD_MODEL, api_key=server.api_key, port=server.port).start()
         b = gen.generate(chat("tell me about the sun"), max_tokens=8)

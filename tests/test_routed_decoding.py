@@ -323,9 +323,10 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
 
 
 def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_server):
-    """A verify that gets no answer (no wait at all here) loses the cloud for this answer: the
-    clause's drafts stand, flagged ones marked as fallbacks in the routing log, and the device
-    finishes alone. No token is lost: the answer is the device's own, token for token."""
+    """A verify that gets no answer in time (no wait at all here) is abandoned like a slow hard
+    token: the clause's drafts stand, flagged ones marked as fallbacks in the routing log, and the
+    link rolls the verify back and stays; three in a row drop the cloud for the answer (degraded).
+    No token is lost: the answer is the device's own, token for token."""
     from shared.routing_log import read
 
     edge_only = make_generator(edge_model, None, mode="edge")
@@ -333,7 +334,8 @@ def test_check_finishes_on_the_device_when_the_cloud_is_lost(edge_model, cloud_s
     try:
         expected = edge_only.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
         a = gen.generate(chat(QUESTIONS[1]), max_tokens=MAX_TOKENS)
-        assert a.tokens == expected.tokens and a.degraded and set(a.routes) == {"edge"}
+        assert a.tokens == expected.tokens and set(a.routes) == {"edge"}
+        assert a.cloud_timeouts >= 1 and a.degraded == (a.cloud_timeouts >= 3)
         assert [t.fallback for t in read(a.routing_log)] == [s >= 0.5 for s in a.scores]
         assert any(s >= 0.5 for s in a.scores), "some draft was flagged"
     finally:

@@ -125,8 +125,9 @@ def render_chart(**overrides) -> dict[str, dict]:
     docs: dict[str, dict] = {}
     for t in sorted((CHART / "templates").glob("*.yaml")):
         for doc in yaml.safe_load_all(r.render(t.read_text())):
-            if doc:
-                docs[doc["kind"]] = doc
+            if doc:  # the chart's optional vLLM engine as "Deployment/vllm", "Service/vllm"
+                vllm = doc["metadata"]["name"].endswith("-vllm")
+                docs[doc["kind"] + ("/vllm" if vllm else "")] = doc
     return docs
 
 
@@ -175,6 +176,26 @@ def test_chart_options_switch_parts_on_and_off():
     assert next(v for v in pod["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == "my-keys"
     args = serve_args(pod["containers"][0]["args"])
     assert args.remote_url == "http://vllm:8000/v1" and args.remote_model == "meta-llama/Llama-3.1-70B-Instruct"
+    assert args.remote_prompt_format == "ids" and args.remote_verify == "auto" and args.remote_timeout == 30
+
+
+def test_chart_can_run_a_vllm_engine_with_every_flag_the_features_need():
+    """vllm.enabled: a GPU Deployment and Service of vLLM with prefix caching, token ids back and
+    top log-probabilities; the server uses it as its remote engine with token-id prompts."""
+    docs = render_chart(vllm__enabled=True, vllm__hfTokenSecret="hf")
+    assert {"Deployment/vllm", "Service/vllm", "Deployment", "Service"} <= set(docs)
+    vllm = docs["Deployment/vllm"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"--enable-prefix-caching", "--return-tokens-as-token-ids", "--port=8000"} <= set(vllm["args"])
+    assert "--max-logprobs=20" in vllm["args"] and "--tensor-parallel-size=4" in vllm["args"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 4 and vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert vllm["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "hf"
+    svc = docs["Service/vllm"]
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"] == docs["Deployment/vllm"]["spec"]["selector"]["matchLabels"]
+    args = serve_args(docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.remote_url == f"http://{svc['metadata']['name']}:8000/v1"
+    assert args.remote_model == "llama-3.1-70b-instruct" and args.remote_prompt_format == "ids"
+    assert "--served-model-name=llama-3.1-70b-instruct" in vllm["args"]
 
 
 @pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed here")
@@ -226,8 +247,16 @@ def test_compose_stack_and_prometheus_config():
     assert args.audit_dir and args.kv_layout == "split"
     assert "/healthz" in " ".join(cloud["healthcheck"]["test"])
     remote = serve_args(compose["services"]["cloud-remote"]["command"])
-    assert remote.remote_url == "http://vllm:8000/v1"
-    assert "--enable-prefix-caching" in compose["services"]["vllm"]["command"]
+    assert remote.remote_url == "http://vllm:8000/v1" and remote.remote_prompt_format == "ids"
+    assert remote.remote_verify == "prompt-logprobs" and remote.remote_timeout == 30
+    vllm = compose["services"]["vllm"]
+    assert vllm["profiles"] == ["gpu"] == compose["services"]["cloud-remote"]["profiles"]
+    cmd = vllm["command"]
+    assert {"--enable-prefix-caching", "--return-tokens-as-token-ids", "--max-logprobs"} <= set(cmd)
+    assert int(cmd[cmd.index("--max-logprobs") + 1]) >= 8  # the server asks for its 8 most likely tokens
+    assert remote.remote_model == cmd[cmd.index("--served-model-name") + 1]
+    assert compose["services"]["cloud-remote"]["depends_on"]["vllm"]["condition"] == "service_healthy"
+    assert "/health" in " ".join(vllm["healthcheck"]["test"])
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     job = prom["scrape_configs"][0]
     assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["cloud:8765"]

@@ -4,6 +4,7 @@ devices (a private daemon with null sinks; see tests/voice_audio.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from voice_audio import heard_as, speech_span, spoken_wav, virtual_devices, wer
+from voice_audio import heard_as, speech_span, spoken_wav, spoken_wav_with_pauses, virtual_devices, wer, words
 
 from edge_client.options import DEFAULT_CHECK
-from edge_client.voice.audio_io import Microphone, Speaker
+from edge_client.voice.audio_io import FileSink, FileSource, Microphone, Speaker
 from edge_client.voice.cli import run_file_turn
-from edge_client.voice.events import Interruption
+from edge_client.voice.endofturn import TurnOptions
+from edge_client.voice.events import FinalTranscript, Interruption, Notice, TurnDone, TurnJudged
 from edge_client.voice.pipeline import Engines, NoSpeechError, VoiceOptions, VoicePipeline
 from edge_client.voice.resample import resample
 from edge_client.voice.wavfile import read_wav
@@ -37,10 +38,14 @@ def engines():
         yield Engines(gen)
 
 
-def assert_timings_ordered(t) -> None:
-    vals = [getattr(t, s) for s in STAGE_ORDER]
+def assert_timings_ordered(t, draft: str = "off") -> None:
+    """Stages in order. A reply drafted while the person spoke ("hit") has its answer stages before
+    the end of speech: there only the answer's own stages are ordered."""
+    order = STAGE_ORDER if draft != "hit" else STAGE_ORDER[2:]
+    vals = [getattr(t, s) for s in order]
     assert all(v is not None for v in vals), t
     assert vals == sorted(vals), t
+    assert t.speech_end is not None and t.asr_final is not None and t.asr_final >= t.speech_end
     assert t.endpoint_decided is not None and t.endpoint_decided >= t.speech_end
     assert t.first_audio_out >= t.endpoint_decided  # held speech is never played before the endpoint
     assert t.end_of_speech_to_first_audio_ms > 0
@@ -52,7 +57,8 @@ def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
     assert wer(QUESTION, obj["transcript"]) <= 0.2
     assert obj["answer"].strip() and obj["n_tokens"] > 0 and len(obj["routes"]) == obj["n_tokens"]
     assert set(obj["timings_ms"]) >= set(STAGE_ORDER) and obj["end_of_speech_to_first_audio_ms"] > 0
-    assert obj["prefilled_tokens"] > 0, "the prompt should be prefilled from partial transcripts while speaking"
+    # while speaking, the partial transcripts either prefilled the prompt or drafted the reply (which decodes it)
+    assert obj["prefilled_tokens"] > 0 or obj["drafts"] > 0
     reply, rate = read_wav(tmp_path / "r.wav")
     assert len(reply) / rate > 0.5
     heard = engines.transcriber.transcribe(resample(reply, rate, 16000))
@@ -80,7 +86,9 @@ def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch, request
     gen.reconfigure(check=mode)
     request.addfinalizer(lambda: gen.reconfigure(check=DEFAULT_CHECK))
     q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
-    obj = run_file_turn(gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(max_tokens=40), realtime=True, engines=engines)
+    obj = run_file_turn(
+        gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(max_tokens=40), realtime=True, engines=engines
+    )
     a = obj["answer"]
     assert a.strip() and obj["n_tokens"] > 0 and len(checks) >= 1
     assert set(obj["timings_ms"]) >= set(STAGE_ORDER) and obj["end_of_speech_to_first_audio_ms"] > 0
@@ -142,17 +150,29 @@ def test_silence_only_is_reported(engines, tmp_path):
 def test_cli_bad_input_exits_with_message(tmp_path):
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"RIFF\x00\x00")
-    r = subprocess.run([sys.executable, "-m", "edge_client.cli", "file", str(bad), "--out", str(tmp_path / "o.wav")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "file", str(bad), "--out", str(tmp_path / "o.wav")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "truncated" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "edge_client.cli", "listen", "--input-device", "no-such-mic-xyz"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "listen", "--input-device", "no-such-mic-xyz"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "tokenrouter-edge devices" in r.stderr, r.stderr
 
 
 def _run_pipeline(pipe: VoicePipeline, max_turns: int) -> tuple[threading.Thread, dict]:
     out: dict = {}
-    th = threading.Thread(target=lambda: out.setdefault("turns", pipe.run(out.setdefault("stop", threading.Event()), max_turns=max_turns)))
+    th = threading.Thread(
+        target=lambda: out.setdefault("turns", pipe.run(out.setdefault("stop", threading.Event()), max_turns=max_turns))
+    )
     th.start()
     return th, out
 
@@ -169,7 +189,7 @@ def test_real_devices_answer_is_heard_on_the_speaker(engines, tmp_path):
         assert not th.is_alive(), "pipeline did not finish the turn"
     done = out["turns"][0]
     assert wer(QUESTION, done.transcript) <= 0.2
-    assert_timings_ordered(done.timings)
+    assert_timings_ordered(done.timings, done.draft)
     heard = engines.transcriber.transcribe(rec["audio"])
     assert heard_as(done.answer.text, heard) >= 0.75, (done.answer.text, heard)
     # history holds the exchange as spoken
@@ -181,7 +201,9 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
     opts = VoiceOptions(full_duplex=True, max_tokens=96)
     opts.dialogue.system_prompt = "You are a helpful voice assistant. Answer in detail, in many long sentences."
     q1 = spoken_wav(engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q1.wav")
-    q2 = spoken_wav(engines.synth, "What time is it right now?", tmp_path / "q2.wav", lead_s=0.0)  # no comma: a pause would end the turn early
+    q2 = spoken_wav(
+        engines.synth, "What time is it right now?", tmp_path / "q2.wav", lead_s=0.0
+    )  # no comma: a pause would end the turn early
     lead2 = speech_span(read_wav(q2)[0], 16000)[0]
     with virtual_devices() as dev:
         pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), opts)
@@ -189,7 +211,9 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
         time.sleep(0.3)
         dev.play_into_mic(q1).wait(timeout=20)
         deadline = time.monotonic() + 20
-        while pipe.sink.buffer.played < engines.synth.rate * 1.5 and time.monotonic() < deadline:  # 1.5 s of reply played
+        while (
+            pipe.sink.buffer.played < engines.synth.rate * 1.5 and time.monotonic() < deadline
+        ):  # 1.5 s of reply played
             time.sleep(0.02)
         assert pipe._playing is not None, "the reply finished before the interruption"
         t_play = time.monotonic()
@@ -203,7 +227,106 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
     assert intr.t_onset >= t_play + lead2 - 0.05
     full = first.answer.text if first.answer is not None else ""
     assert first.spoken_text and len(first.spoken_text) < len(full)
-    assert full.replace(" ", "").startswith(first.spoken_text.replace(" ", "")[: max(1, len(first.spoken_text.replace(" ", "")) - 15)])
+    assert full.replace(" ", "").startswith(
+        first.spoken_text.replace(" ", "")[: max(1, len(first.spoken_text.replace(" ", "")) - 15)]
+    )
     hist = pipe.dialogue.turns
     assert hist[1] == {"role": "assistant", "content": first.spoken_text}
     assert wer("what time is it", second.transcript) <= 0.5 or "time" in second.transcript.lower()
+
+
+# ---------------------------------------------------------------------------- turn-taking (issue 17)
+
+PAUSED = "What is the capital city of, France?"  # spoken with a 600 ms pause after "of"
+
+
+def test_a_mid_sentence_pause_is_waited_out_and_answered_once(engines, tmp_path):
+    """Through the virtual devices: the question with a 600 ms pause after "of" gets one answer, to the
+    whole question. The pause is judged unfinished (long wait), the end finished; the reply's first
+    sample comes after the endpoint, which came after "France" (it is in the transcript)."""
+    wav = tmp_path / "paused.wav"
+    assert spoken_wav_with_pauses(engines.synth, PAUSED, {0: 600}, wav) is not None
+    with virtual_devices() as dev:
+        pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), VoiceOptions())
+        th, out = _run_pipeline(pipe, None)
+        time.sleep(0.3)
+        dev.play_into_mic(wav).wait(timeout=20)
+        deadline = time.monotonic() + 40
+        while not any(isinstance(e, TurnDone) for e in pipe.events) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)  # long enough for a second, cut-off turn to show up if there were one
+        out["stop"].set()
+        th.join(timeout=20)
+    finals = [e for e in pipe.events if isinstance(e, FinalTranscript)]
+    assert len(finals) == 1 and len(pipe.turns) == 1, [e.text for e in finals]
+    done = pipe.turns[0]
+    assert words(done.transcript) == words(QUESTION.replace(",", "")), done.transcript
+    judged = [e.decision for e in pipe.events if isinstance(e, TurnJudged)]
+    assert any(d.finished is False and d.wait_ms == VoiceOptions().turn.max_wait_ms for d in judged), judged
+    assert judged[-1].finished is True, judged
+    assert done.end_of_turn is not None and done.end_of_turn.finished and done.end_of_turn.pauses >= 1
+    assert done.timings.first_audio_out is not None and done.timings.first_audio_out >= done.timings.endpoint_decided
+
+
+def test_silence_only_cuts_the_same_question_off(engines, tmp_path):
+    """The contrast that shows the test above can fail: with silence alone (250 ms) the turn ends at the pause."""
+    wav = tmp_path / "paused.wav"
+    spoken_wav_with_pauses(engines.synth, PAUSED, {0: 600}, wav)
+    opts = VoiceOptions(turn=TurnOptions(mode="silence"))
+    obj = run_file_turn(
+        engines.gen, str(wav), str(tmp_path / "r.wav"), opts, realtime=True, engines=engines, first_audio_only=True
+    )
+    assert "france" not in words(obj["transcript"]) and obj["end_of_turn"]["mode"] == "silence", obj["transcript"]
+
+
+@pytest.fixture(scope="module")
+def demo_turn(engines, tmp_path_factory):
+    """The demo question (scripts/demo.py) once through file mode at real-time pace, with the defaults."""
+    tmp = tmp_path_factory.mktemp("demo")
+    q = spoken_wav(engines.synth, QUESTION, tmp / "q.wav", lead_s=0.5, tail_s=0.5)
+    return run_file_turn(engines.gen, str(q), str(tmp / "r.wav"), VoiceOptions(), realtime=True, engines=engines)
+
+
+def test_the_demo_question_transcribes_right_while_streaming(demo_turn):
+    assert words(demo_turn["transcript"]) == words(QUESTION), demo_turn["transcript"]
+
+
+def test_a_fluent_question_ends_after_the_short_wait(demo_turn):
+    """A fluent, finished question is judged finished at its end and waits only the adaptive minimum."""
+    e = demo_turn["end_of_turn"]
+    assert e["mode"] == "smart" and e["finished"] is True and e["text_unfinished"] is False, e
+    assert e["wait_ms"] == TurnOptions().min_wait_ms and e["probability"] >= TurnOptions().threshold, e
+
+
+def test_a_missing_end_of_turn_model_is_a_clear_error_or_a_visible_fallback(engines, tmp_path, monkeypatch):
+    """CLI: a `pipecat` package without the model file -> exit 2 naming the file and the install command.
+    Pipeline with --turn-model-missing silence: turns end on silence, and the JSON and a notice say why."""
+    fake = tmp_path / "fake"
+    (fake / "pipecat").mkdir(parents=True)
+    (fake / "pipecat" / "__init__.py").write_text("")
+    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    env = dict(os.environ, PYTHONPATH=f"{fake}:{ROOT}")
+    r = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "file", str(q), "--out", str(tmp_path / "o.wav")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "smart-turn-v3.2-cpu.onnx" in r.stderr and "pip install --no-deps pipecat-ai" in r.stderr, r.stderr
+
+    import edge_client.voice.endofturn as eot
+
+    monkeypatch.setattr(eot, "SMART_TURN_FILE", "pipecat/no/such/model.onnx")
+    model, note = eot.load_end_of_turn(TurnOptions(on_missing="silence"))
+    assert model is None and "no/such/model.onnx" in note
+    monkeypatch.setattr(engines, "smart_turn", None)
+    monkeypatch.setattr(engines, "turn_note", note)
+    opts = VoiceOptions(turn=TurnOptions(on_missing="silence"))
+    pipe = VoicePipeline(engines, FileSource(q, realtime=False), FileSink(engines.synth.rate, realtime=False), opts)
+    done = pipe.run(max_turns=1, first_audio_only=True)[0]
+    assert done.end_of_turn.mode == "silence-fallback" and "no/such/model.onnx" in done.end_of_turn.note
+    assert done.end_of_turn.wait_ms == VoiceOptions().vad.stop_delay_ms
+    assert any(isinstance(e, Notice) and e.level == "warning" and "silence alone" in e.message for e in pipe.events)

@@ -27,7 +27,23 @@ def feed_all(chunker: ClauseChunker, tokens: list[str]) -> list[str]:
 
 
 def test_first_chunk_cut_at_first_clause_then_by_sentence():
-    toks = ["Sure", ",", " the", " capital", " is", " Paris", ",", " a", " big", " city", ".", " It", " has", " museums", "."]
+    toks = [
+        "Sure",
+        ",",
+        " the",
+        " capital",
+        " is",
+        " Paris",
+        ",",
+        " a",
+        " big",
+        " city",
+        ".",
+        " It",
+        " has",
+        " museums",
+        ".",
+    ]
     c = ClauseChunker()
     emitted = []
     for t in toks:
@@ -69,7 +85,7 @@ def test_resample_preserves_tone_and_length():
     ref = np.sin(2 * np.pi * 300 * np.arange(16000) / 16000)
     assert np.abs(y[100:-100] - ref[100:-100]).max() < 0.05
     r = StreamResampler(48000, 16000)
-    z = np.concatenate([r.process(x[i:i + 480]) for i in range(0, 48000, 480)])
+    z = np.concatenate([r.process(x[i : i + 480]) for i in range(0, 48000, 480)])
     assert abs(len(z) - 16000) <= 2
 
 
@@ -91,7 +107,7 @@ def test_wav_round_trip_and_stereo_24bit(tmp_path: Path):
 def test_bad_wavs_give_clear_messages(tmp_path: Path):
     corrupt = tmp_path / "corrupt.wav"
     corrupt.write_bytes(b"this is not audio at all" * 10)
-    with pytest.raises(AudioFileError, match="not a readable WAV"):
+    with pytest.raises(AudioFileError, match="not a readable audio file"):
         read_wav(corrupt)
     good = tmp_path / "good.wav"
     write_wav(good, np.zeros(16000, np.float32), 16000)
@@ -106,10 +122,19 @@ def test_bad_wavs_give_clear_messages(tmp_path: Path):
     flt = tmp_path / "float.wav"  # IEEE float WAV (format 3)
     data = np.zeros(100, "<f4").tobytes()
     fmt = struct.pack("<HHIIHH", 3, 1, 16000, 64000, 4, 32)
-    flt.write_bytes(b"RIFF" + struct.pack("<I", 4 + 8 + 16 + 8 + len(data)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
-                    + b"data" + struct.pack("<I", len(data)) + data)
-    with pytest.raises(AudioFileError, match="unsupported sample format.*sox"):
-        read_wav(flt)
+    flt.write_bytes(
+        b"RIFF"
+        + struct.pack("<I", 4 + 8 + 16 + 8 + len(data))
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", 16)
+        + fmt
+        + b"data"
+        + struct.pack("<I", len(data))
+        + data
+    )
+    x, sr = read_wav(flt)  # read through libsndfile since issue 18 (the `wave` module refused it)
+    assert sr == 16000 and len(x) == 100 and not x.any()
     with pytest.raises(AudioFileError, match="no such file"):
         FileSource(tmp_path / "missing.wav")
 
@@ -132,7 +157,7 @@ def _run_endpointer(audio: np.ndarray, opts: VadOptions) -> list[tuple[Ev, float
     vad, ep, out = SileroVad(), Endpointer(opts), []
     for i in range(len(audio) // FRAME):
         t = (i + 1) * FRAME / 16000
-        ev = ep.update(vad(audio[i * FRAME:(i + 1) * FRAME]), t)
+        ev = ep.update(vad(audio[i * FRAME : (i + 1) * FRAME]), t)
         if ev is not None:
             out.append((ev, t, ep.last_voiced_t))
     return out
@@ -149,23 +174,30 @@ def test_endpointer_on_real_speech_and_clicks():
     evs = _run_endpointer(audio, opts)
     kinds = [e for e, _, _ in evs]
     assert kinds.count(Ev.START) == 1 and kinds.count(Ev.END) == 1  # the click never opened a turn
-    speech_end_true = (0.5 + 0.1 + 0.5 + len(speech) / 16000)
+    speech_end_true = 0.5 + 0.1 + 0.5 + len(speech) / 16000
     end = next(e for e in evs if e[0] is Ev.END)
     assert abs(end[2] - speech_end_true) < 0.3  # last voiced frame near the real end of speech
     assert 0.25 <= end[1] - end[2] <= 0.25 + 0.07  # decided stop_delay after it
-    assert _run_endpointer(np.concatenate([z(0.5), click, z(1.0)]), opts) in ([], [(Ev.ONSET, pytest.approx(0.576, abs=0.1), pytest.approx(0.6, abs=0.1))]) or all(
-        e[0] in (Ev.ONSET, Ev.FALSE_START) for e in _run_endpointer(np.concatenate([z(0.5), click, z(1.0)]), opts))
+    assert _run_endpointer(np.concatenate([z(0.5), click, z(1.0)]), opts) in (
+        [],
+        [(Ev.ONSET, pytest.approx(0.576, abs=0.1), pytest.approx(0.6, abs=0.1))],
+    ) or all(e[0] in (Ev.ONSET, Ev.FALSE_START) for e in _run_endpointer(np.concatenate([z(0.5), click, z(1.0)]), opts))
 
 
 def test_dialogue_bounded_in_tokens_and_reset():
-    d = Dialogue(DialogueOptions(system_prompt="sys", max_history_tokens=50), count_tokens=lambda m: sum(len(x["content"].split()) for x in m))
+    d = Dialogue(
+        DialogueOptions(system_prompt="sys", max_history_tokens=50),
+        count_tokens=lambda m: sum(len(x["content"].split()) for x in m),
+    )
     for i in range(10):
         d.add_exchange(f"question {i} " + "w " * 5, f"answer {i} " + "w " * 5)
     msgs = d.messages("next")
     assert msgs[0] == {"role": "system", "content": "sys"} and msgs[-1]["content"] == "next"
     assert sum(len(x["content"].split()) for x in d.messages()) <= 50
     assert d.turns[-1]["content"].startswith("answer 9")
-    assert Dialogue.is_reset_command("Start over.") and not Dialogue.is_reset_command("how do I start over a failed build in jenkins")
+    assert Dialogue.is_reset_command("Start over.") and not Dialogue.is_reset_command(
+        "how do I start over a failed build in jenkins"
+    )
     d.reset()
     assert d.messages() == [{"role": "system", "content": "sys"}]
 
@@ -193,7 +225,9 @@ def test_unpunctuated_sentence_loops_are_cut():
     heard = "The capital city of Friends is Paris The capital city of Friends is Paris"
     assert collapse_repeats(heard) == "The capital city of Friends is Paris"
     assert collapse_repeats("set a timer set a timer set a") == "set a timer"
-    assert collapse_repeats("what is the date that my visa card expires") == "what is the date that my visa card expires"
+    assert (
+        collapse_repeats("what is the date that my visa card expires") == "what is the date that my visa card expires"
+    )
 
 
 def test_voice_flags_reach_the_pipeline_options():
@@ -203,17 +237,28 @@ def test_voice_flags_reach_the_pipeline_options():
     from edge_client.voice.cli import voice_options_from_args
 
     on = voice_options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"]))
-    off = voice_options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--no-prefill", "--no-speculative"]))
+    off = voice_options_from_args(
+        build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--no-prefill", "--no-speculative"])
+    )
     assert on.prefill_partials and on.speculative
     assert not off.prefill_partials and not off.speculative
     from edge_client.cli import options_from_args
 
-    checked = options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "--check-nats", "2"]))
+    checked = options_from_args(
+        build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "--check-nats", "2"])
+    )
     assert checked.check == "all" and checked.check_nats == 2.0
-    late = options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "after-first-clause"]))
+    late = options_from_args(
+        build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "after-first-clause"])
+    )
     assert late.check == "after-first-clause"
-    assert options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check == "after-first-clause"
-    assert options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "off"])).check == "off"
+    assert (
+        options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav"])).check == "after-first-clause"
+    )
+    assert (
+        options_from_args(build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--check", "off"])).check
+        == "off"
+    )
 
 
 def test_a_dropped_speculation_leaves_no_stage_marks_behind():
@@ -227,7 +272,12 @@ def test_a_dropped_speculation_leaves_no_stage_marks_behind():
 
     cancelled = []
     spec = SimpleNamespace(cancel=lambda: cancelled.append(True))
-    u = _Utterance(TurnTimings(speech_start=1.0, asr_final=2.0, llm_first_token=2.1), spec_voiced_t=1.9, spec_text="hi", spec_turn=spec)
+    u = _Utterance(
+        TurnTimings(speech_start=1.0, asr_final=2.0, llm_first_token=2.1),
+        spec_voiced_t=1.9,
+        spec_text="hi",
+        spec_turn=spec,
+    )
     old = u.timings
     VoicePipeline._drop_speculation(SimpleNamespace(_utt=u))
     assert cancelled == [True] and u.spec_turn is None and u.spec_voiced_t is None
@@ -235,3 +285,184 @@ def test_a_dropped_speculation_leaves_no_stage_marks_behind():
     assert u.timings.asr_final is None and u.timings.llm_first_token is None
     old.mark("first_clause_ready", 2.2)  # the cancelled turn, on its way out
     assert u.timings.first_clause_ready is None
+
+
+# ---------------------------------------------------------------------------- end of turn (issue 17)
+
+
+def test_smart_turn_features_match_pipecats_own():
+    """Our numpy log-mel is the one pipecat feeds Smart Turn (its vendored transformers extractor),
+    loaded from the wheel by path so pipecat itself is never imported."""
+    import importlib.util
+
+    from edge_client.voice.endofturn import last_8s, log_mel_8s, smart_turn_path
+
+    src = smart_turn_path().parents[1] / "_whisper_features.py"
+    spec = importlib.util.spec_from_file_location("pipecat_whisper_features", src)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    x = last_8s(np.random.default_rng(0).normal(0, 0.1, 3 * 16000).astype(np.float32))
+    assert np.abs(log_mel_8s(x) - ref.compute_whisper_log_mel_features(x)).max() < 1e-4
+
+
+def test_smart_turn_hears_a_finished_question_and_a_hesitation():
+    """The real model on Piper speech: a finished question vs the same voice stopping after "for," (a
+    comma's continuing pitch) and after "in, um," (a filler)."""
+    from voice_audio import paused_speech
+
+    from edge_client.voice.endofturn import SmartTurn
+    from edge_client.voice.tts import Synthesizer
+
+    s, st = Synthesizer(), SmartTurn()
+    z = np.zeros(int(0.064 * 16000), np.float32)
+
+    def upto_pause(text: str, i: int) -> np.ndarray:  # the audio up to the (long) pause at comma i
+        a = paused_speech(s, text, {i: 3000})
+        voiced = np.nonzero(np.abs(a) > 1e-3)[0]
+        gap = int(np.argmax(np.diff(voiced)))
+        return np.concatenate([a[: voiced[gap] + 1], z])
+
+    assert st(np.concatenate([_speech("What is the capital city of France?"), z])) >= 0.5
+    assert st(upto_pause("Set a timer for, ten minutes.", 0)) < 0.5
+    assert st(upto_pause("What's the weather in, um, Boston?", 1)) < 0.5
+
+
+def test_transcript_cue():
+    from edge_client.voice.endofturn import unfinished_text
+
+    for t in ("Set a timer for", "What's the weather in, um", "I want to book a flight to", "Call my mom and", "the"):
+        assert unfinished_text(t), t
+    for t in (
+        "What is the capital city of France?",
+        "Set a timer for ten minutes.",
+        "what time is it",
+        "can you help me",
+    ):
+        assert not unfinished_text(t), t
+
+
+def test_end_of_turn_waits_long_unless_both_cues_say_finished():
+    from edge_client.voice.endofturn import EndOfTurn, TurnOptions
+
+    opts = TurnOptions(min_wait_ms=200, max_wait_ms=1200, threshold=0.5)
+    eot = EndOfTurn(opts, model=object())  # the model itself is not called here
+    cases = [
+        (0.9, "What is the capital city of France?", 200, True),
+        (0.9, "Set a timer for", 1200, False),
+        (0.2, "What is the capital city of France?", 800, False),
+        (0.0, "What is the capital city of France?", 1200, False),
+        (0.2, "what's the weather in", 1200, False),
+    ]
+    for p, text, wait, finished in cases:
+        d = eot.new_decision()
+        assert eot.wait_ms(d, 250, text_known=False) is None  # undecided until both inputs are in
+        d.probability = p
+        assert eot.wait_ms(d, 250, text_known=False) is None
+        eot.judge_text(d, text)
+        assert eot.wait_ms(d, 250, text_known=True) == wait and d.finished is finished, (p, text)
+    silence = EndOfTurn(TurnOptions(mode="silence"), model=None)
+    assert silence.wait_ms(silence.new_decision(), 250, text_known=False) == 250
+    fallback = EndOfTurn(TurnOptions(), model=None, fallback_note="model missing")
+    assert fallback.mode == "silence-fallback" and fallback.new_decision().note == "model missing"
+    with pytest.raises(ValueError, match="min wait"):
+        TurnOptions(min_wait_ms=900, max_wait_ms=300).validate()
+
+
+def test_missing_end_of_turn_model_names_the_file_and_the_install(monkeypatch):
+    import importlib.util
+
+    import edge_client.voice.endofturn as eot
+    from edge_client.voice.assets import MissingModelError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pipecat" else real(name, *a))
+    with pytest.raises(MissingModelError, match=r"smart-turn-v3\.2-cpu\.onnx.*pip install --no-deps pipecat-ai"):
+        eot.load_end_of_turn(eot.TurnOptions())
+    model, note = eot.load_end_of_turn(eot.TurnOptions(on_missing="silence"))
+    assert model is None and "silence alone" in note and "smart-turn-v3.2-cpu.onnx" in note
+    assert eot.load_end_of_turn(eot.TurnOptions(mode="silence")) == (None, "")
+
+
+def test_endpointer_wait_can_change_during_a_pause():
+    """The judge lengthens or shortens the current pause's wait; the next pause starts from the option again."""
+    ep = Endpointer(VadOptions(min_speech_ms=64, stop_delay_ms=250))
+    t = 0.0
+
+    def feed(prob: float, n: int) -> list[Ev]:
+        nonlocal t
+        out = []
+        for _ in range(n):
+            t += FRAME / 16000
+            ev = ep.update(prob, t)
+            if ev is not None:
+                out.append(ev)
+        return out
+
+    assert Ev.START in feed(0.9, 5)
+    assert feed(0.0, 1) == [Ev.PAUSE]
+    ep.stop_delay_ms = 1200
+    assert Ev.END not in feed(0.0, 20)  # 640 ms of silence: still waiting
+    assert feed(0.9, 1) == [Ev.RESUME]
+    assert feed(0.0, 1) == [Ev.PAUSE] and ep.stop_delay_ms == 250
+    assert feed(0.0, 8) == [Ev.END]
+
+
+def test_long_pauses_are_shortened_for_recognition():
+    from edge_client.voice.asr import close_gaps
+
+    f = [np.full(FRAME, i, np.float32) for i in range(30)]
+    voiced = [True] * 5 + [False] * 20 + [True] * 3 + [False] * 2
+    out = close_gaps(f, voiced, max_gap=6).reshape(-1, FRAME)[:, 0].astype(int).tolist()
+    assert out == [0, 1, 2, 3, 4, 5, 6, 7, 22, 23, 24, 25, 26, 27, 28, 29]  # 3 + 3 of the 20 kept; the tail whole
+
+
+def test_a_draft_is_taken_only_when_the_final_transcript_has_its_words():
+    from types import SimpleNamespace
+
+    from edge_client.voice.pipeline import VoicePipeline, _Utterance, same_words
+    from edge_client.voice.timings import TurnTimings
+
+    assert same_words("What is the capital city of France?", "what is the capital city of france")
+    assert not same_words("What is the capital city of", "What is the capital city of France?")
+
+    class FakeDraft:
+        def __init__(self, text: str) -> None:
+            self.user_text, self.stop, self.adopted, self.cancelled = (
+                text,
+                SimpleNamespace(is_set=lambda: False),
+                None,
+                False,
+            )
+
+        def adopt(self, text, timings):
+            self.adopted = (text, timings)
+
+        def cancel(self):
+            self.cancelled = True
+
+    for final, hit in (("What is the capital city of France?", True), ("What is the capital city of Spain?", False)):
+        d = FakeDraft("what is the capital city of France")
+        u = _Utterance(TurnTimings(), draft=d)
+        got = VoicePipeline._take_draft(None, u, final)
+        assert (got is d) is hit and u.draft is None and u.draft_outcome == ("hit" if hit else "miss")
+        assert (d.adopted == (final, u.timings)) if hit else (d.cancelled and d.adopted is None)
+
+
+def test_the_demo_question_is_heard_right_by_the_streaming_final_decode():
+    """The demo question, synthesised without Piper's prosody sampling (the same audio every run) at three
+    speeds, replayed through the pipeline's VAD and final decode: "France", not "friends". With the
+    VAD's pre-roll alone (lead_s=0) tiny.en hears "friends" on all three; 0.2 s of silence first fixes it."""
+    from voice_audio import streaming_final
+
+    from edge_client.voice.asr import AsrOptions, Transcriber
+    from edge_client.voice.tts import Synthesizer, TtsOptions
+
+    tx = Transcriber()
+    z = np.zeros(8000, np.float32)  # 0.5 s either side, as scripts/make_demo_audio.py
+    for speed in (0.95, 1.0, 1.05):
+        s = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, length_scale=speed))
+        audio = np.concatenate(
+            [z, 0.8 * resample(s.synthesize("What is the capital city of France?"), s.rate, 16000), z]
+        )
+        heard = streaming_final(tx, audio, VadOptions(), AsrOptions().max_gap_ms)
+        assert heard.lower().rstrip("?.").endswith("capital city of france"), (speed, heard)

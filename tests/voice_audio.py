@@ -18,13 +18,16 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 
+from edge_client.voice.asr import close_gaps
 from edge_client.voice.resample import resample
+from edge_client.voice.vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad, VadOptions
 from edge_client.voice.wavfile import write_wav
 
 ASOUNDRC = """
@@ -47,7 +50,9 @@ class VirtualDevices:
         self.env = dict(os.environ, XDG_RUNTIME_DIR=str(root / "run"), HOME=str(root / "home"))
 
     def pactl(self, *args: str) -> str:
-        return subprocess.run(["pactl", *args], env=self.env, check=True, capture_output=True, text=True, timeout=10).stdout
+        return subprocess.run(
+            ["pactl", *args], env=self.env, check=True, capture_output=True, text=True, timeout=10
+        ).stdout
 
     def play_into_mic(self, wav: Path) -> subprocess.Popen:
         """Start playing a WAV into the virtual microphone; returns at once."""
@@ -60,8 +65,16 @@ class VirtualDevices:
         path = self.root / f"rec_{time.monotonic_ns()}.raw"
         with open(path, "wb") as f:
             p = subprocess.Popen(
-                ["parec", "--device=speaker.monitor", "--format=s16le", f"--rate={rate}", "--channels=1", "--latency-msec=10"],
-                stdout=f, env=self.env,
+                [
+                    "parec",
+                    "--device=speaker.monitor",
+                    "--format=s16le",
+                    f"--rate={rate}",
+                    "--channels=1",
+                    "--latency-msec=10",
+                ],
+                stdout=f,
+                env=self.env,
             )
             out["t0"] = time.monotonic()
             try:
@@ -86,9 +99,19 @@ def virtual_devices() -> Iterator[VirtualDevices]:
     (root / "home" / ".asoundrc").write_text(ASOUNDRC)
     dev = VirtualDevices(root)
     r = subprocess.run(
-        ["pulseaudio", "--daemonize=yes", "--exit-idle-time=-1", "-n", "--load=module-native-protocol-unix",
-         "--log-target=stderr", "--disallow-exit=no"],
-        env=dev.env, capture_output=True, text=True, timeout=20,
+        [
+            "pulseaudio",
+            "--daemonize=yes",
+            "--exit-idle-time=-1",
+            "-n",
+            "--load=module-native-protocol-unix",
+            "--log-target=stderr",
+            "--disallow-exit=no",
+        ],
+        env=dev.env,
+        capture_output=True,
+        text=True,
+        timeout=20,
     )
     if r.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -187,8 +210,10 @@ def paused_speech(synth, text: str, pauses_ms: dict[int, int], rate: int = 16000
     """
     a = synth.synthesize(text)
     n_commas = text.count(",")
-    runs = _quiet_runs(a[int(0.05 * synth.rate):], synth.rate)  # skip the leading silence
-    runs = [(s + int(0.05 * synth.rate), e + int(0.05 * synth.rate)) for s, e in runs if e < len(a) - int(0.1 * synth.rate)]
+    runs = _quiet_runs(a[int(0.05 * synth.rate) :], synth.rate)  # skip the leading silence
+    runs = [
+        (s + int(0.05 * synth.rate), e + int(0.05 * synth.rate)) for s, e in runs if e < len(a) - int(0.1 * synth.rate)
+    ]
     if len(runs) < n_commas:
         return None
     commas = sorted(sorted(runs, key=lambda r: r[0] - r[1])[:n_commas])  # the longest, in order
@@ -205,8 +230,9 @@ def paused_speech(synth, text: str, pauses_ms: dict[int, int], rate: int = 16000
     return resample(np.concatenate(out), synth.rate, rate)
 
 
-def spoken_wav_with_pauses(synth, text: str, pauses_ms: dict[int, int], path: Path, lead_s: float = 0.4, tail_s: float = 0.4,
-                           rate: int = 16000) -> float | None:
+def spoken_wav_with_pauses(
+    synth, text: str, pauses_ms: dict[int, int], path: Path, lead_s: float = 0.4, tail_s: float = 0.4, rate: int = 16000
+) -> float | None:
     """Write `paused_speech` to a WAV with silence around it; returns the time (s) of its last word's end, or None."""
     a = paused_speech(synth, text, pauses_ms, rate)
     if a is None:
@@ -224,8 +250,9 @@ _PAUSE_AFTER = frozenset("the a an my your our to for in on at of with from abou
 FILLERS = ("um", "uh")
 
 
-def pause_query(query: str, rng: np.random.Generator, pause_ms: tuple[int, int] = (300, 900),
-                filler_p: float = 0.35) -> tuple[str, dict[int, int], float] | None:
+def pause_query(
+    query: str, rng: np.random.Generator, pause_ms: tuple[int, int] = (300, 900), filler_p: float = 0.35
+) -> tuple[str, dict[int, int], float] | None:
     """A CLINC-style query with one natural mid-utterance pause (two in queries of 10+ words).
 
     Returns (text to speak, with a comma at each pause and maybe a filler, the pauses for
@@ -254,3 +281,31 @@ def pause_query(query: str, rng: np.random.Generator, pause_ms: tuple[int, int] 
 
 def without_fillers(text: str) -> str:
     return " ".join(w for w in words(text) if w not in FILLERS)
+
+
+def streaming_final(tx, audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int) -> str:
+    """The pipeline's final transcript of `audio` when its last pause ends the turn, replayed frame by frame
+    as VoicePipeline._on_vad_frame does: the pre-roll, then the frames up to the first silent one of the
+    last pause, long pauses shortened; decoded with `tx` (a Transcriber)."""
+    vad, ep = SileroVad(), Endpointer(VadOptions(**{**vars(vad_opts), "stop_delay_ms": 10**6}))
+    preroll: deque[np.ndarray] = deque(maxlen=max(1, int(vad_opts.preroll_ms / 1000 / FRAME_S)))
+    frames: list[np.ndarray] = []
+    voiced: list[bool] = []
+    spec = None
+    for i in range(len(audio) // FRAME):
+        x = audio[i * FRAME : (i + 1) * FRAME]
+        prob = vad(x)
+        preroll.append(x)
+        if ep.state != "idle":
+            frames.append(x)
+            voiced.append(prob >= vad_opts.neg_threshold)
+        ev = ep.update(prob, (i + 1) * FRAME_S)
+        if ev is Ev.ONSET:
+            frames, voiced = list(preroll), [True] * len(preroll)
+        elif ev is Ev.PAUSE:
+            spec = len(frames)
+        elif ev is Ev.RESUME:
+            spec = None
+    if spec is None:
+        return ""
+    return tx.transcribe(close_gaps(frames[:spec], voiced[:spec], max(1, int(max_gap_ms / 1000 / FRAME_S))))

@@ -21,6 +21,20 @@ from shared.textmetrics import rouge_l_f1 as rouge_l  # noqa: F401  (re-exported
 CLAUSE_RE = re.compile(r"[.,;:!?\n]")
 ANSWERED_WITHIN_MS = 150.0
 
+# The cloud's work in units that carry over to a GPU (shared/protocol.py `Work`), and the cost model
+# docs/server.md ("What it costs on a GPU") turns them into GPU-seconds with: a model, not a measurement.
+WORK_KINDS = ("prefill_tokens", "generate_tokens", "verify_tokens", "guess_tokens")
+GPUS = 4  # Llama-3.1-70B in bf16 on 4 x H100 SXM (tensor parallel)
+PASS_S = 0.015  # one memory-bound pass: 141 GB of weights / (4 x 3.35 TB/s) at ~70% of peak bandwidth
+TOKEN_S = 2 * 70.6e9 / (GPUS * 989e12 * 0.5)  # compute per token: 2 FLOP per weight, 50% of bf16 dense peak
+
+
+def gpu_seconds(passes: float, tokens: float) -> float:
+    """GPU-seconds of the cost model (docs/server.md): every pass reads the weights once (memory-bound),
+    every token adds its compute; a pass of k <= ~32 tokens costs about one decode step."""
+    return GPUS * (passes * PASS_S + tokens * TOKEN_S)
+
+
 # The `--json` summary's keys per policy (the issue's contract).
 SUMMARY_KEYS = (
     "ttft_ms_p50",
@@ -150,6 +164,21 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "stage_ms_mean": {k: _mean(m[k] for m in ms) for k in ("device_ms", "network_ms", "cloud_ms")},
         "degraded_turns": sum(1 for r in rows if r.get("degraded")),
         "cloud_decisions": sum(1 for r in rows if r.get("decision") == "cloud"),
+        **work_summary(rows, n_tok),
+    }
+
+
+def work_summary(rows: list[dict], n_tok: int) -> dict[str, Any]:
+    """The cloud's work per answer token (passes, tokens processed by kind), remote engine requests per
+    answer, and the cost model's GPU-seconds per 1k answer tokens; 0 where a server reports none (v1)."""
+    total = {k: sum(r["traffic"].get(k, 0) for r in rows) for k in ("passes", "engine_requests", *WORK_KINDS)}
+    tokens = sum(total[k] for k in WORK_KINDS)
+    return {
+        "passes_per_token": round(total["passes"] / n_tok, 4),
+        "cloud_tokens_per_token": round(tokens / n_tok, 4),
+        "cloud_tokens_by_kind_per_token": {k.removesuffix("_tokens"): round(total[k] / n_tok, 4) for k in WORK_KINDS},
+        "engine_requests_per_answer": round(total["engine_requests"] / max(len(rows), 1), 3),
+        "gpu_s_per_1k_model": round(gpu_seconds(total["passes"], tokens) / (n_tok / 1000.0), 3),
     }
 
 

@@ -54,6 +54,7 @@ def build_report(rows: list[dict], policies: list[str], meta: dict[str, Any]) ->
         )
         s["first_clause_vs_edge"] = _ratio(s["first_clause_ms_p50"], edge and edge["first_clause_ms_p50"])
         s["cloud_compute_vs_cloud"] = _ratio(s["cloud_compute_s_per_1k"], cloud and cloud["cloud_compute_s_per_1k"])
+        s["passes_vs_cloud"] = _ratio(s["passes_per_token"], cloud and cloud["passes_per_token"])
     return {"report_version": REPORT_VERSION, **meta, "policies": per_policy, "goals": goals(per_policy)}
 
 
@@ -154,6 +155,25 @@ def markdown(report: dict) -> str:
             f"| {_fmt(s['cloud_nll'], 3)} | {_fmt(s['quality_gap_recovered'], 2)} | {_fmt(s['rouge_l_vs_cloud'], 3)} |"
         )
     lines += [
+        "",
+        "## The cloud's work (units that carry over to a GPU)",
+        "",
+        "| policy | passes / tok | vs cloud | tokens processed / tok | prefill | generate | verify | guess "
+        "| engine requests / answer | GPU-s / 1k tok (model) | cloud s / 1k tok (this machine) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p, s in pol.items():
+        k = s["cloud_tokens_by_kind_per_token"]
+        lines.append(
+            f"| {p} | {_fmt(s['passes_per_token'], 3)} | {_fmt(s['passes_vs_cloud'], 2)} "
+            f"| {_fmt(s['cloud_tokens_per_token'], 3)} | {_fmt(k['prefill'], 3)} | {_fmt(k['generate'], 3)} "
+            f"| {_fmt(k['verify'], 3)} | {_fmt(k['guess'], 3)} | {_fmt(s['engine_requests_per_answer'], 2)} "
+            f"| {_fmt(s['gpu_s_per_1k_model'], 2)} | {_fmt(s['cloud_compute_s_per_1k'], 3)} |"
+        )
+    lines += [
+        "",
+        "A pass reads the cloud model's weights once, whatever its number of tokens; counts come from the "
+        "server's replies. GPU-seconds: the cost model of docs/server.md (70B on 4 x H100), not a measurement.",
         "",
         "## Where the time goes (mean ms per answer)",
         "",

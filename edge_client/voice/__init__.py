@@ -5,6 +5,7 @@ Modules, one responsibility each:
   wavfile     read/write WAV with errors that say what to do
   audio_io    devices (by name or index), resampling, microphone/speaker/file endpoints
   vad         Silero VAD (streaming) and the endpointer state machine
+  endofturn   end of turn: Smart Turn v3.2, the transcript cue, the adaptive wait
   asr         streaming recognizer (short-context Whisper + local agreement)
   tts         Piper synthesiser and the clause chunker
   dialogue    bounded conversation history

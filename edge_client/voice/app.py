@@ -23,6 +23,7 @@ from edge_client.generator import open_generator
 from edge_client.options_cli import options_from_args
 
 from .audio_io import Microphone, Speaker, resolve_device
+from .endofturn import smart_turn_path
 from .events import (
     AnswerToken,
     Event,
@@ -33,6 +34,7 @@ from .events import (
     PartialTranscript,
     SpeechStarted,
     TurnDone,
+    TurnJudged,
 )
 from .options_cli import voice_options_from_args
 from .pipeline import Engines, VoicePipeline
@@ -57,6 +59,15 @@ class ViewState:
                 self.partial = ("", "")
             elif isinstance(ev, PartialTranscript):
                 self.partial = (ev.stable, ev.unstable)
+                self.status = "hearing you"
+            elif isinstance(ev, TurnJudged):
+                d = ev.decision
+                p = "" if d.probability is None else f"Smart Turn p={d.probability:.2f}"
+                why = ", ".join(x for x in (p, "transcript mid-phrase" if d.text_unfinished else "") if x)
+                self.status = (
+                    f"pause: sounds {'finished' if d.finished else 'unfinished'} ({why}); "
+                    f"the turn ends after {d.wait_ms} ms of silence"
+                )
             elif isinstance(ev, FinalTranscript):
                 self.transcript, self.partial, self.answer = ev.text, ("", ""), []
                 self.status = "answering"
@@ -78,7 +89,10 @@ def cloud_state(gen: Any, last: TurnDone | None) -> Text:
     elif getattr(gen, "_connect", None) is None:
         t = Text("cloud: off (edge only)", style="yellow")
     else:
-        t = Text("cloud: not connected" + (f" ({gen.last_cloud_error})" if getattr(gen, "last_cloud_error", "") else ""), style="red")
+        t = Text(
+            "cloud: not connected" + (f" ({gen.last_cloud_error})" if getattr(gen, "last_cloud_error", "") else ""),
+            style="red",
+        )
     if last is not None and last.answer is not None and last.answer.degraded:
         t.append("  last answer degraded (edge finished alone)", style="red")
     return t
@@ -102,8 +116,11 @@ def render(state: ViewState, gen: Any, devices: str) -> Panel:
             parts.append(latency_table(state.last))
         for n in state.notices:
             parts.append(Text(n, style="yellow"))
-    return Panel(Group(*parts), title="TokenRouter voice (Ctrl-C to quit; say \"start over\" to reset)",
-                 subtitle="[bold cyan]cyan[/] = written by the cloud model")
+    return Panel(
+        Group(*parts),
+        title='TokenRouter voice (Ctrl-C to quit; say "start over" to reset)',
+        subtitle="[bold cyan]cyan[/] = written by the cloud model",
+    )
 
 
 def latency_table(done: TurnDone) -> Table:
@@ -114,9 +131,15 @@ def latency_table(done: TurnDone) -> Table:
     t.add_column("EoS->audio", justify="right", style="bold")
     e2a = done.timings.end_of_speech_to_first_audio_ms
     t.add_row(*["-" if v is None else f"{v:.0f}" for v in rel.values()], "-" if e2a is None else f"{e2a:.0f}")
+    caption = []
     if done.answer is not None:
         a = done.answer
-        t.caption = f"{a.n_tokens} tokens, {a.n_cloud_tokens} from the cloud" + (" (interrupted)" if done.interrupted else "")
+        caption.append(
+            f"{a.n_tokens} tokens, {a.n_cloud_tokens} from the cloud" + (" (interrupted)" if done.interrupted else "")
+        )
+    if done.end_of_turn is not None:
+        caption.append(done.end_of_turn.summary() + f"; drafted reply: {done.draft}")
+    t.caption = "\n".join(caption) or None
     return t
 
 
@@ -124,14 +147,19 @@ def run_app(args: argparse.Namespace) -> int:
     resolve_device(args.input_device, "input")  # fail before loading models
     resolve_device(args.output_device, "output")
     vopts = voice_options_from_args(args)
+    if vopts.turn.mode == "smart" and vopts.turn.on_missing == "error":
+        smart_turn_path()  # fail before loading models, naming the file and the install command
     state = ViewState()
     stop = threading.Event()
     with open_generator(options_from_args(args)) as gen:
-        engines = Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt)
+        engines = Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt, vopts.turn)
         mic = Microphone(args.input_device)
         spk = Speaker(args.output_device, engines.synth.rate)
-        devices = f"mic: {args.input_device or 'default'} @ {mic.rate} Hz   speaker: {args.output_device or 'default'} @ {spk.rate} Hz   " + (
-            "full duplex (barge-in on)" if vopts.full_duplex else "half duplex (mic muted while speaking)")
+        devices = (
+            f"mic: {args.input_device or 'default'} @ {mic.rate} Hz   "
+            f"speaker: {args.output_device or 'default'} @ {spk.rate} Hz   "
+            + ("full duplex (barge-in on)" if vopts.full_duplex else "half duplex (mic muted while speaking)")
+        )
         pipe = VoicePipeline(engines, mic, spk, vopts, on_event=state.on_event)
         errors: list[BaseException] = []
 

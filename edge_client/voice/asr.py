@@ -32,7 +32,13 @@ class AsrOptions:
     compute_type: str = "int8"
     cpu_threads: int = 2
     pad_s: float = 1.0  # silence appended before encoding; "full" context = 30 s if pad_s < 0
+    # Silence put before the utterance. The VAD's pre-roll leaves ~0.2 s before the speech, and with so
+    # little lead tiny.en heard the demo's last word "France" as "friends" in 7 of 24 syntheses; with
+    # 0.2 s more, 24 of 24 right (docs/voice.md).
+    lead_s: float = 0.2
     partial_interval_ms: int = 300  # re-decode while speaking at most this often
+    model_dir: str | None = None  # a CTranslate2 Whisper directory instead of the bundled tiny.en (measurements)
+    max_gap_ms: int = 300  # longer silences inside an utterance are shortened to this before decoding
 
 
 class Transcriber:
@@ -44,9 +50,14 @@ class Transcriber:
 
         self.opts = opts or AsrOptions()
         self.model = WhisperModel(
-            str(whisper_model_dir()), device="cpu", compute_type=self.opts.compute_type, cpu_threads=self.opts.cpu_threads
+            self.opts.model_dir or str(whisper_model_dir()),
+            device="cpu",
+            compute_type=self.opts.compute_type,
+            cpu_threads=self.opts.cpu_threads,
         )
-        self.tokenizer = Tokenizer(self.model.hf_tokenizer, self.model.model.is_multilingual, task="transcribe", language=self.opts.language)
+        self.tokenizer = Tokenizer(
+            self.model.hf_tokenizer, self.model.model.is_multilingual, task="transcribe", language=self.opts.language
+        )
         self.prompt = self.model.get_prompt(self.tokenizer, [], without_timestamps=True)
         self.lock = threading.Lock()  # one decode at a time (CTranslate2 model shared)
 
@@ -58,10 +69,16 @@ class Transcriber:
             return ""
         if dur > 29.0 or self.opts.pad_s < 0:
             segs, _ = self.model.transcribe(
-                audio, language=self.opts.language, beam_size=self.opts.beam_size,
-                without_timestamps=True, condition_on_previous_text=False, vad_filter=False,
+                audio,
+                language=self.opts.language,
+                beam_size=self.opts.beam_size,
+                without_timestamps=True,
+                condition_on_previous_text=False,
+                vad_filter=False,
             )
             return " ".join(s.text.strip() for s in segs).strip()
+        if self.opts.lead_s > 0:
+            audio = np.concatenate([np.zeros(int(self.opts.lead_s * RATE), np.float32), audio.astype(np.float32)])
         feats = self.model.feature_extractor(audio)
         n = feats.shape[-1]
         target = min(3000, int(np.ceil((n + self.opts.pad_s * 100) / 100.0) * 100))
@@ -69,11 +86,38 @@ class Transcriber:
         sv = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[None], dtype=np.float32))
         with self.lock:
             res = self.model.model.generate(
-                sv, [self.prompt], beam_size=self.opts.beam_size, max_length=int(16 + 10 * dur),
-                suppress_blank=True, suppress_tokens=[-1], return_scores=False,
+                sv,
+                [self.prompt],
+                beam_size=self.opts.beam_size,
+                max_length=int(16 + 10 * dur),
+                suppress_blank=True,
+                suppress_tokens=[-1],
+                return_scores=False,
             )
         ids = [t for t in res[0].sequences_ids[0] if t < self.tokenizer.eot]
         return collapse_repeats(self.tokenizer.decode(ids).strip())
+
+
+def close_gaps(frames: list[np.ndarray], voiced: list[bool], max_gap: int) -> np.ndarray:
+    """The utterance with every silent run longer than `max_gap` frames cut to `max_gap` (half kept at each end).
+
+    Why: with the context cut to the utterance, tiny.en often ends its transcript at a long pause
+    inside it ("will I have enough to, [900 ms] get a new Roku" -> "Well I have enough to."); the
+    pause benchmark lost the rest of 1 query in 4 that way. A trailing run is kept whole.
+    """
+    keep: list[np.ndarray] = []
+    run: list[np.ndarray] = []
+    for x, v in zip(frames, voiced):
+        if not v:
+            run.append(x)
+            continue
+        if len(run) > max_gap:
+            run = run[: max_gap // 2] + run[len(run) - (max_gap - max_gap // 2) :]
+        keep += run
+        run = []
+        keep.append(x)
+    keep += run
+    return np.concatenate(keep) if keep else np.zeros(0, np.float32)
 
 
 def collapse_repeats(text: str) -> str:
@@ -138,9 +182,7 @@ class LocalAgreement:
         k = 0
         while k < min(len(words), len(self._prev)) and _norm(words[k]) == _norm(self._prev[k]):
             k += 1
-        if k > len(self.committed) and all(
-            _norm(a) == _norm(b) for a, b in zip(self.committed, words)
-        ):
+        if k > len(self.committed) and all(_norm(a) == _norm(b) for a, b in zip(self.committed, words)):
             self.committed = words[:k]
         self._prev = words
         n = len(self.committed)
@@ -166,11 +208,19 @@ class AsrWorker:
     """Background decoder. Partial jobs replace each other (only the newest matters);
     a final job is never dropped by a later partial."""
 
-    def __init__(self, transcriber: Transcriber, on_result: Callable[[AsrResult], None]) -> None:
+    def __init__(
+        self,
+        transcriber: Transcriber,
+        on_result: Callable[[AsrResult], None],
+        wanted: Callable[[AsrJob], bool] | None = None,
+    ) -> None:
         self.tx = transcriber
         self.on_result = on_result
+        self.wanted = wanted  # checked just before a job runs: a stale one is skipped
         self.last_error: Exception | None = None
-        self._worker: LatestJobWorker[AsrJob] = LatestJobWorker("asr", self._decode, lambda waiting, new: waiting.kind == "final" and new.kind == "partial")
+        self._worker: LatestJobWorker[AsrJob] = LatestJobWorker(
+            "asr", self._decode, lambda waiting, new: waiting.kind == "final" and new.kind == "partial"
+        )
 
     @property
     def busy(self) -> bool:
@@ -183,6 +233,10 @@ class AsrWorker:
         self._worker.close()
 
     def _decode(self, job: AsrJob) -> None:
+        # A speculative final whose pause ended in more speech (a VAD dip mid-word) would cost ~100 ms
+        # of both cores and delay the next partial; it is dropped unstarted.
+        if self.wanted is not None and not self.wanted(job):
+            return
         try:
             text = self.tx.transcribe(job.audio)
         except Exception as e:  # keep the long-running app alive; report as empty

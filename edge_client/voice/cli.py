@@ -19,7 +19,9 @@ from edge_client.generator import open_generator
 from edge_client.options_cli import add_generation_options, options_from_args
 
 from .app import run_app
+from .assets import MissingModelError
 from .audio_io import DeviceError, FileSink, FileSource, list_devices
+from .endofturn import TurnOptions, smart_turn_path
 from .options_cli import add_voice_options, voice_options_from_args
 from .pipeline import Engines, NoSpeechError, VoicePipeline
 from .wavfile import AudioFileError
@@ -31,9 +33,13 @@ def add_subcommands(sub: Any) -> None:
     d.set_defaults(handler=cmd_devices)
 
     li = sub.add_parser("listen", help="talk to the assistant (terminal UI; Ctrl-C exits)")
-    li.add_argument("--input-device", help="microphone: name, unique part of a name, or index (default: system default)")
+    li.add_argument(
+        "--input-device", help="microphone: name, unique part of a name, or index (default: system default)"
+    )
     li.add_argument("--output-device", help="speaker: name, unique part of a name, or index")
-    li.add_argument("--full-duplex", action="store_true", help="listen while speaking (use headphones); enables barge-in")
+    li.add_argument(
+        "--full-duplex", action="store_true", help="listen while speaking (use headphones); enables barge-in"
+    )
     add_voice_options(li)
     add_generation_options(li)
     li.set_defaults(handler=cmd_listen)
@@ -42,10 +48,18 @@ def add_subcommands(sub: Any) -> None:
     f.add_argument("input", metavar="IN.wav")
     f.add_argument("--out", required=True, metavar="OUT.wav", help="where the spoken reply is written")
     f.add_argument("--json", action="store_true", help="print one JSON object (see docs/voice.md)")
-    f.add_argument("--fast", action="store_true", help="as fast as possible instead of real-time pace (timings then mean little)")
+    f.add_argument(
+        "--fast", action="store_true", help="as fast as possible instead of real-time pace (timings then mean little)"
+    )
     add_voice_options(f)
     add_generation_options(f)
     f.set_defaults(handler=cmd_file)
+
+
+def check_turn_model(opts: TurnOptions) -> None:
+    """Fail before any model loads when the end-of-turn model is needed and missing (MissingModelError)."""
+    if opts.mode == "smart" and opts.on_missing == "error":
+        smart_turn_path()
 
 
 def _fail(msg: str) -> int:
@@ -65,23 +79,37 @@ def cmd_devices(args: argparse.Namespace) -> int:
         print("no audio devices found (is PulseAudio/PipeWire running?)")
     for d in devs:
         mark = ("<" if d["default_input"] else " ") + (">" if d["default_output"] else " ")
-        print(f"{mark} {d['index']:3d}  {d['name']:40s} in={d['max_input_channels']:<3d} out={d['max_output_channels']:<3d} "
-              f"{d['default_samplerate']:.0f} Hz  ({d['hostapi']})")
+        print(
+            f"{mark} {d['index']:3d}  {d['name']:40s} in={d['max_input_channels']:<3d} out={d['max_output_channels']:<3d} "
+            f"{d['default_samplerate']:.0f} Hz  ({d['hostapi']})"
+        )
     print("(< default input, > default output; pass a name or index to --input-device / --output-device)")
     return 0
 
 
-def run_file_turn(gen: Any, in_path: str, out_path: str, vopts: Any, realtime: bool = True, engines: Any = None,
-                  first_audio_only: bool = False) -> dict:
+def run_file_turn(
+    gen: Any,
+    in_path: str,
+    out_path: str,
+    vopts: Any,
+    realtime: bool = True,
+    engines: Any = None,
+    first_audio_only: bool = False,
+) -> dict:
     """One turn from IN.wav to OUT.wav; returns the `--json` object. Raises AudioFileError, NoSpeechError."""
     source = FileSource(in_path, realtime=realtime)  # validates the WAV before any model loads
-    engines = engines or Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt)
+    engines = engines or Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt, vopts.turn)
     sink = FileSink(engines.synth.rate, realtime=realtime)
     pipe = VoicePipeline(engines, source, sink, vopts)
     turns = pipe.run(max_turns=1, first_audio_only=first_audio_only)
     sink.write(out_path)
     obj = turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
     obj["prefilled_tokens"] = pipe.prefilled_tokens
+    t = turns[0].timings
+    if source.t0 is not None:  # seconds into the input file: benchmarks compare them with the true end of speech
+        obj["input_speech_end_s"] = None if t.speech_end is None else round(t.speech_end - source.t0, 4)
+        obj["input_first_audio_s"] = None if t.first_audio_out is None else round(t.first_audio_out - source.t0, 4)
+        obj["input_endpoint_s"] = None if t.endpoint_decided is None else round(t.endpoint_decided - source.t0, 4)
     obj["drafts"] = pipe.n_drafts
     return obj
 
@@ -124,9 +152,10 @@ def cmd_file(args: argparse.Namespace) -> int:
     try:
         FileSource(args.input)  # fail fast on a bad file, before loading models
         vopts = voice_options_from_args(args)
+        check_turn_model(vopts.turn)
         with open_generator(options_from_args(args)) as gen:
             obj = run_file_turn(gen, args.input, args.out, vopts, realtime=not args.fast)
-    except (AudioFileError, NoSpeechError) as e:
+    except (AudioFileError, NoSpeechError, MissingModelError) as e:
         return _fail(str(e))
     if args.json:
         print(json.dumps(obj))
@@ -135,8 +164,10 @@ def cmd_file(args: argparse.Namespace) -> int:
     cloud_pct = 100 * a["n_cloud_tokens"] / max(a["n_tokens"], 1)
     print(f"transcript: {a['transcript']}")
     print(f"answer:     {a['answer']}")
-    print(f"routing:    {a['n_tokens']} tokens, {a['n_cloud_tokens']} from the cloud ({cloud_pct:.0f}%)"
-          + (" [degraded: cloud unavailable]" if a["degraded"] else ""))
+    print(
+        f"routing:    {a['n_tokens']} tokens, {a['n_cloud_tokens']} from the cloud ({cloud_pct:.0f}%)"
+        + (" [degraded: cloud unavailable]" if a["degraded"] else "")
+    )
     print(latency_table(a))
     if a["end_of_turn"] is not None:
         print(f"turn:       {turn_summary(a)}")
@@ -147,5 +178,5 @@ def cmd_file(args: argparse.Namespace) -> int:
 def cmd_listen(args: argparse.Namespace) -> int:
     try:
         return run_app(args)
-    except DeviceError as e:
+    except (DeviceError, MissingModelError) as e:
         return _fail(str(e))

@@ -6,12 +6,15 @@ ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
 
 - Smart Turn v3.2 (pipecat-ai's BSD-2 audio model, an 8 MB int8 ONNX file in the `pipecat-ai`
   wheel): the probability that the last up-to-8 s of audio is a finished turn, from intonation
-  and rhythm; ~10 ms on one core here (docs/voice.md).
+  and rhythm; ~85 ms on one idle core of the 2-core VM, 150-250 ms on a busy one (docs/voice.md).
 - the transcript of the speculative final decode: a turn that ends on a filler ("um"), a
-  conjunction, a preposition or an article is not finished, whatever the audio says.
+  conjunction, a preposition or an article is not finished, whatever the audio says (Smart Turn
+  judged 30-50 % of such hesitations in Piper's voice finished).
 
-Decision: a turn that sounds finished ends after `min_wait_ms` of silence, one that sounds
-unfinished after `max_wait_ms`. With `mode="silence"` (or when the model file is missing
+Decision: a turn that sounds finished (Smart Turn at or over its threshold, the transcript not
+mid-phrase) ends after `min_wait_ms` of silence; a transcript ending mid-phrase waits `max_wait_ms`;
+where only Smart Turn doubts it, the wait grows with the doubt, from `min_wait_ms` at the
+threshold to `max_wait_ms` at probability 0. With `mode="silence"` (or when the model file is missing
 and `on_missing="silence"`) the turn ends after the stop delay, as before, and the decision
 says so.
 """
@@ -81,9 +84,9 @@ _WINDOW = np.hanning(401)[:-1]  # periodic Hann, as torch.hann_window
 def log_mel_8s(audio: np.ndarray) -> np.ndarray:
     """Whisper-style log-mel (80 x 800) of exactly 8 s of 16 kHz audio, the input Smart Turn v3 was trained on.
 
-    The same as transformers' `WhisperFeatureExtractor(chunk_length=8)` with `do_normalize=True`, which
-    pipecat feeds it: zero-mean unit-variance waveform, centred 400-point STFT with hop 160, power
-    spectrum onto 80 Slaney mel bands, log10, floor at max - 8, then (x + 4) / 4.
+    The same as transformers' `WhisperFeatureExtractor(chunk_length=8)` with `do_normalize=True` (Apache-2.0;
+    pipecat vendors it in numpy, BSD-2), which pipecat feeds it: zero-mean unit-variance waveform, centred
+    400-point STFT with hop 160, power spectrum onto 80 Slaney mel bands, log10, floor at max - 8, (x + 4) / 4.
     """
     x = np.asarray(audio, np.float32)
     n = 8 * RATE
@@ -125,12 +128,12 @@ class SmartTurn:
 
 # ---------------------------------------------------------------------------- the transcript cue
 
-# Words a finished request rarely ends on: fillers, conjunctions, articles, possessives and prepositions
-# ("set a timer for…", "what's the weather in, um,"). Of CLINC150's 18,000 train/val queries 4% end on
-# one ("where are you from"): those wait the long wait, a cost measured in docs/voice.md.
+# Words a finished request rarely ends on: fillers, conjunctions, articles, possessives, prepositions and
+# modals ("set a timer for…", "what's the weather in, um,", "how long would…"). Of CLINC150's 18,000
+# train/val queries 4% end on one ("where are you from"): those wait the long wait (docs/voice.md).
 _OPEN_WORDS = frozenset(
-    """um uh er erm hmm and or but because if than the a an my your our their of to for in on at with from
-    about by into""".split()
+    """um uh ah er erm hmm and or but because if than the a an my your our their of to for in on at with from
+    about by into would could should will shall must""".split()
 )
 
 
@@ -154,8 +157,11 @@ class TurnOptions:
     min_wait_ms: int = 200  # silence that ends a turn that sounds finished
     max_wait_ms: int = 1200  # silence that ends a turn that sounds unfinished
     threshold: float = 0.5  # Smart Turn probability at or above which the audio sounds finished
+    judge_after_ms: int = 64  # silence before Smart Turn runs: one silent frame is often a dip inside a word
     text_cue: bool = True  # a transcript ending mid-phrase also means unfinished
-    on_missing: str = "error"  # the model file is missing: "error" (say what to install) or "silence" (fall back, visibly)
+    on_missing: str = (
+        "error"  # the model file is missing: "error" (say what to install) or "silence" (fall back, visibly)
+    )
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -193,7 +199,9 @@ class TurnDecision:
         p = "-" if self.probability is None else f"{self.probability:.2f}"
         verdict = {True: "finished", False: "unfinished", None: "undecided"}[self.finished]
         text = " (transcript unfinished)" if self.text_unfinished else ""
-        return f"end of turn: {verdict}, Smart Turn p={p}{text}, waited {self.wait_ms} ms, {self.pauses} pause(s) before"
+        return (
+            f"end of turn: {verdict}, Smart Turn p={p}{text}, waited {self.wait_ms} ms, {self.pauses} pause(s) before"
+        )
 
 
 class EndOfTurn:
@@ -210,7 +218,9 @@ class EndOfTurn:
         return self.mode == "smart"
 
     def new_decision(self, pauses: int = 0) -> TurnDecision:
-        return TurnDecision(self.mode, pauses=pauses, note=self.fallback_note if self.mode == "silence-fallback" else "")
+        return TurnDecision(
+            self.mode, pauses=pauses, note=self.fallback_note if self.mode == "silence-fallback" else ""
+        )
 
     def judge_audio(self, d: TurnDecision, audio: np.ndarray) -> None:
         assert self.model is not None
@@ -226,12 +236,20 @@ class EndOfTurn:
         """The silence that ends the turn, or None while an input is still missing."""
         if not self.smart:
             return stop_delay_ms
+        if self.opts.text_cue and text_known and d.text_unfinished:
+            d.finished = False  # mid-phrase: the transcript decides alone, Smart Turn is not asked
+            return self.opts.max_wait_ms
         if d.probability is None or (self.opts.text_cue and not text_known):
             return None
-        # Either cue is enough to wait: on Piper's speech Smart Turn judges 30-50% of hesitation
-        # pauses finished (a comma's falling pitch), while the transcript ending on "for" or "the" does not lie.
-        d.finished = d.probability >= self.opts.threshold and not d.text_unfinished
-        return self.opts.min_wait_ms if d.finished else self.opts.max_wait_ms
+        o = self.opts
+        d.finished = d.probability >= o.threshold and not d.text_unfinished
+        if d.finished:
+            return o.min_wait_ms
+        if d.text_unfinished:  # on Piper's speech Smart Turn judges 30-50% of hesitation pauses finished
+            return o.max_wait_ms  # (a comma's falling pitch); a transcript ending on "for" or "the" does not lie
+        # Smart Turn alone says unfinished: it also says so at the end of ~15% of fluent questions here
+        # (p < 0.1), so the wait grows with its doubt instead of jumping to the longest.
+        return int(round(o.min_wait_ms + (o.max_wait_ms - o.min_wait_ms) * (o.threshold - d.probability) / o.threshold))
 
 
 def load_end_of_turn(opts: TurnOptions) -> tuple[SmartTurn | None, str]:

@@ -64,7 +64,9 @@ class TurnDone:
     timings: TurnTimings = field(default_factory=TurnTimings)
     reset: bool = False  # the person asked to reset the conversation
     end_of_turn: TurnDecision | None = None  # why the turn ended when it did
-    draft: str = "off"  # the reply drafted from a partial transcript: "hit" (released), "miss", "none" (no draft), "off"
+    draft: str = (
+        "off"  # the reply drafted from a partial transcript: "hit" (released), "miss", "none" (no draft), "off"
+    )
 
 
 @dataclass(frozen=True, slots=True)

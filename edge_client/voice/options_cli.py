@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from .dialogue import DialogueOptions
+from .endofturn import TurnOptions
 from .pipeline import VoiceOptions
 from .vad import VadOptions
 
@@ -26,6 +27,30 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not prefill the prompt from partial transcripts (they also reach the cloud early, words the person may still change)",
     )
+    g.add_argument(
+        "--turn-mode",
+        choices=("smart", "silence"),
+        default="smart",
+        help="end of turn: 'smart' (Smart Turn model + transcript, adaptive wait; default) or 'silence' (--stop-delay-ms)",
+    )
+    g.add_argument(
+        "--min-wait-ms", type=int, default=200, help="silence that ends a turn that sounds finished (default 200)"
+    )
+    g.add_argument(
+        "--max-wait-ms", type=int, default=1200, help="silence that ends a turn that sounds unfinished (default 1200)"
+    )
+    g.add_argument("--turn-threshold", type=float, default=0.5, help="Smart Turn probability that counts as finished")
+    g.add_argument(
+        "--turn-model-missing",
+        choices=("error", "silence"),
+        default="error",
+        help="when the Smart Turn file is missing: stop with what to install (default), or fall back to silence, visibly",
+    )
+    g.add_argument(
+        "--draft",
+        action="store_true",
+        help="draft the reply from partial transcripts while you speak (see docs/voice.md)",
+    )
     g.add_argument("--max-history-tokens", type=int, default=768)
     g.add_argument("--voice-max-tokens", type=int, default=96, help="token cap of a spoken answer")
 
@@ -41,4 +66,12 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
         barge_in_min_ms=args.barge_in_ms,
         speculative=not args.no_speculative,
         prefill_partials=not args.no_prefill,
+        turn=TurnOptions(
+            mode=args.turn_mode,
+            min_wait_ms=args.min_wait_ms,
+            max_wait_ms=args.max_wait_ms,
+            threshold=args.turn_threshold,
+            on_missing=args.turn_model_missing,
+        ),
+        draft=args.draft,
     )

@@ -20,18 +20,19 @@ partial, about one time in three), and generation pauses while Piper renders
 the first clause (on a small CPU the two compete, and the first audio is what
 the person waits for).
 
-End of turn (endofturn.py): at each pause Smart Turn judges the audio and the
-speculative transcript is checked for a mid-phrase ending; a turn that sounds
-finished ends after `turn.min_wait_ms` of silence, one that sounds unfinished
-after `turn.max_wait_ms`. The speculative answer still starts at the first
-silent frame; its audio stays held until the turn is judged over.
+End of turn (endofturn.py): at each pause the speculative transcript is checked
+for a mid-phrase ending (then the turn waits `turn.max_wait_ms`), else Smart
+Turn judges the audio up to `turn.judge_after_ms` into the pause, once the
+transcript is in; a turn that sounds finished ends after `turn.min_wait_ms` of
+silence. The speculative answer still starts at the first silent frame; its
+audio stays held until the turn is judged over.
 
-Drafts: while the person speaks, each partial transcript whose words changed
-starts a held draft of the answer (its first clause generated and synthesised,
-then generation parks). If the speculative final transcript has the same
-words, the draft becomes the turn and its audio is released the moment the
-turn ends; otherwise it is cancelled (the generator keeps the prompt prefix
-both share, so a miss costs the turn little).
+Drafts (`draft`, off by default: measured not to pay on two cores): while the
+person speaks, each partial transcript whose words changed starts a held draft
+of the answer (its first clause generated and synthesised, then generation
+parks). If the speculative final transcript has the same words, the draft
+becomes the turn and its audio is released the moment the turn ends; otherwise
+it is cancelled (the generator keeps the prompt prefix both share).
 
 Barge-in (full duplex): speech onset during playback pauses the speaker at
 once; `barge_in_min_ms` of speech confirms the interruption (generation stops,
@@ -52,10 +53,10 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ..answer import Answer, TokenEvent
-from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber
+from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber, close_gaps
 from .audio_io import FileSource, Frame, PlaybackBuffer
 from .dialogue import Dialogue, DialogueOptions
-from .endofturn import EndOfTurn, TurnDecision, TurnOptions, load_end_of_turn
+from .endofturn import EndOfTurn, TurnDecision, TurnOptions, load_end_of_turn, unfinished_text
 from .events import (
     AnswerToken,
     Event,
@@ -102,10 +103,15 @@ class VoiceOptions:
     speculative: bool = True  # decode + generate at the first pause, release at the endpoint
     speculate_after_ms: int = 32  # one silent VAD frame
     prefill_partials: bool = True  # prefill the prompt from the stable partial transcript while the person speaks
-    prefill_complete: bool = True  # prefill each partial's whole prompt, template tail included (not just up to its last word)
+    prefill_complete: bool = (
+        True  # prefill each partial's whole prompt, template tail included (not just up to its last word)
+    )
     first_chunk_priority: bool = True  # pause generation while the first clause is synthesised
     turn: TurnOptions = field(default_factory=TurnOptions)  # end of turn: Smart Turn + transcript, adaptive wait
-    draft: bool = True  # draft the reply's first clause from partial transcripts while the person speaks
+    # Draft the reply's first clause from partial transcripts while the person speaks. Off by default:
+    # on two cores it hit 17 % of fluent turns and its compute slowed the final decode by ~100 ms, so
+    # first audio came 40 ms later at the median (paired, docs/voice.md).
+    draft: bool = False
     max_utterance_s: float = 28.0
 
 
@@ -187,7 +193,9 @@ class Prefiller:
 class Turn:
     """One answer: generation -> clause chunks -> Piper -> (held or live) playback."""
 
-    def __init__(self, p: "VoicePipeline", user_text: str, timings: TurnTimings, held: bool, draft: bool = False) -> None:
+    def __init__(
+        self, p: "VoicePipeline", user_text: str, timings: TurnTimings, held: bool, draft: bool = False
+    ) -> None:
         self.p = p
         self.user_text = user_text
         self.timings = timings
@@ -215,7 +223,9 @@ class Turn:
         self._gen_may_run.set()
         if self.released:
             p.sink.buffer.start_turn()
-        self._gen_t = threading.Thread(target=self._generate, args=(p.dialogue.messages(user_text),), name="gen", daemon=True)
+        self._gen_t = threading.Thread(
+            target=self._generate, args=(p.dialogue.messages(user_text),), name="gen", daemon=True
+        )
         self._tts_t = threading.Thread(target=self._speak, name="tts", daemon=True)
         self._gen_t.start()
         self._tts_t.start()
@@ -228,11 +238,15 @@ class Turn:
             deadline = time.monotonic() + 0.5
             while not self._gen_may_run.wait(0.05) and not self.stop.is_set():
                 parked = self.segments and not self._adopted.is_set()
+                if parked and not self.p.is_live(self):  # its utterance was dropped: never park forever
+                    self.stop.set()  # (a parked draft holds the generator's lock)
                 if not parked and time.monotonic() > deadline:
                     break
 
         try:
-            self.answer = self.p.engines.gen.generate(messages, max_tokens=self.p.opts.max_tokens, on_token=on_token, stop=self.stop)
+            self.answer = self.p.engines.gen.generate(
+                messages, max_tokens=self.p.opts.max_tokens, on_token=on_token, stop=self.stop
+            )
         except BaseException as e:  # reported by the tts thread; the app keeps running
             self.error = e
         self._tokq.put(None)
@@ -345,6 +359,7 @@ class _Utterance:
 
     timings: TurnTimings
     audio: list[np.ndarray] = field(default_factory=list)
+    voiced: list[bool] = field(default_factory=list)  # per frame of `audio` (the pre-roll counts as voiced)
     last_partial_samples: int = 0
     spec_voiced_t: float | None = None  # last voiced frame the speculative decode covers
     spec_text: str | None = None
@@ -353,6 +368,8 @@ class _Utterance:
     decision: TurnDecision | None = None  # the end-of-turn judgement of the current pause
     pauses: int = 0  # pauses the person resumed from
     pause_no: int = 0  # numbers the pauses, so a late Smart Turn result for an earlier one is ignored
+    judged: bool = False  # Smart Turn was asked about this pause (or the transcript made it unnecessary)
+    judge_frames: int | None = None  # frames of `audio` Smart Turn judges: up to judge_after_ms into the pause
     draft: Turn | None = None  # the reply drafted from a partial transcript (held, parked after its first clause)
     draft_outcome: str = "none"
 
@@ -391,7 +408,7 @@ class VoicePipeline:
         self._onset_t: float | None = None
         self._silence_ms = 0.0
         self._first_audio_only = False
-        self._asr = AsrWorker(engines.transcriber, self._on_asr)
+        self._asr = AsrWorker(engines.transcriber, self._on_asr, self._asr_wanted)
         self._prefiller = Prefiller(engines.gen, self._prefill_wanted) if self.opts.prefill_partials else None
         self.eot = engines.end_of_turn(self.opts.turn)
         # Smart Turn takes ~85 ms on one busy core here: on its own thread, so frames keep flowing.
@@ -414,7 +431,9 @@ class VoicePipeline:
             except Exception:  # an observer must never take the pipeline down
                 pass
 
-    def run(self, stop: threading.Event | None = None, max_turns: int | None = None, first_audio_only: bool = False) -> list[TurnDone]:
+    def run(
+        self, stop: threading.Event | None = None, max_turns: int | None = None, first_audio_only: bool = False
+    ) -> list[TurnDone]:
         """Process frames until `stop`, or `max_turns` turns are done. `first_audio_only` (benchmarks)
         ends each turn once its first sample is out, so the reply is not played to the end."""
         stop = stop or threading.Event()
@@ -434,7 +453,11 @@ class VoicePipeline:
                     self._check_no_speech(frame)
         finally:
             with self._lock:
-                for t in (self._playing, self._utt.spec_turn if self._utt else None, self._utt.draft if self._utt else None):
+                for t in (
+                    self._playing,
+                    self._utt.spec_turn if self._utt else None,
+                    self._utt.draft if self._utt else None,
+                ):
                     if t is not None:
                         t.cancel()
             self.source.close()
@@ -450,8 +473,14 @@ class VoicePipeline:
         src = self.source
         if not isinstance(src, FileSource) or src.t0 is None or self._utt is not None or self.turns or self._playing:
             return
-        if self.endpointer.state == "idle" and frame.t_end - src.t0 > src.duration_s + self.opts.vad.stop_delay_ms / 1000 + 0.5:
-            raise NoSpeechError("no speech detected in the input (silence or noise only); speak closer to the microphone or check the file")
+        if (
+            self.endpointer.state == "idle"
+            and frame.t_end - src.t0 > src.duration_s + self.opts.vad.stop_delay_ms / 1000 + 0.5
+        ):
+            raise NoSpeechError(
+                "no speech detected in the input (silence or noise only); "
+                "speak closer to the microphone or check the file"
+            )
 
     # ------------------------------------------------------------------ listening
 
@@ -460,15 +489,15 @@ class VoicePipeline:
         n = len(x) // FRAME
         for i in range(n):
             t = frame.t_end - (len(x) - (i + 1) * FRAME) / 16000
-            self._on_vad_frame(x[i * FRAME:(i + 1) * FRAME], t)
-        self._pending = x[n * FRAME:].copy()
+            self._on_vad_frame(x[i * FRAME : (i + 1) * FRAME], t)
+        self._pending = x[n * FRAME :].copy()
 
     def _on_vad_frame(self, x: np.ndarray, t: float) -> None:
         ep = self.endpointer
         if self._playing is not None and not self.opts.full_duplex:
             if ep.state != "idle":  # half duplex: the microphone is ignored while the assistant speaks
                 ep.reset()
-                self._utt = None
+                self._discard_utterance()
             self._preroll.clear()
             return
         ep.min_speech_ms = self.opts.barge_in_min_ms if self._playing is not None else self.opts.vad.min_speech_ms
@@ -476,9 +505,11 @@ class VoicePipeline:
         self._preroll.append(x)
         if ep.state != "idle" and self._utt is not None:
             self._utt.audio.append(x)
+            self._utt.voiced.append(prob >= self.opts.vad.neg_threshold)
         ev = ep.update(prob, t)
         if ev is Ev.ONSET:
-            self._utt = _Utterance(TurnTimings(), audio=list(self._preroll))
+            self._discard_utterance()  # one still waiting for its final decode is given up, as before
+            self._utt = _Utterance(TurnTimings(), audio=list(self._preroll), voiced=[True] * len(self._preroll))
             self._onset_t = ep.onset_t
             if self._playing is not None and self.opts.pause_on_onset:
                 self.sink.buffer.paused = True
@@ -507,6 +538,8 @@ class VoicePipeline:
             self._endpoint(t)
         if ep.state == "pause" and ev is not Ev.PAUSE:
             self._silence_ms += FRAME_S * 1000
+        if ep.state == "pause":
+            self._maybe_judge()
         if ep.state in ("speech", "pause") and self._utt is not None:
             self._maybe_decode(t)
 
@@ -521,11 +554,11 @@ class VoicePipeline:
         if self.endpointer.state == "pause":
             if o.speculative and u.spec_voiced_t is None and self._silence_ms >= o.speculate_after_ms:
                 u.spec_voiced_t = self.endpointer.last_voiced_t
-                self._asr.submit(AsrJob(self._utt_id, "final", np.concatenate(u.audio), u.spec_voiced_t))
+                self._asr.submit(AsrJob(self._utt_id, "final", self._asr_audio(u), u.spec_voiced_t))
             return
         if (n - u.last_partial_samples) / 16000 * 1000 >= o.asr.partial_interval_ms and not self._asr.busy:
             u.last_partial_samples = n
-            self._asr.submit(AsrJob(self._utt_id, "partial", np.concatenate(u.audio), t))
+            self._asr.submit(AsrJob(self._utt_id, "partial", self._asr_audio(u), t))
 
     def _on_pause(self) -> None:
         """First silent frame: open this pause's end-of-turn judgement (Smart Turn on its own thread)."""
@@ -534,12 +567,29 @@ class VoicePipeline:
             return
         u.pause_no += 1
         u.decision = self.eot.new_decision(u.pauses)
+        u.judged, u.judge_frames = False, None
         if self.eot.smart:
             self.endpointer.stop_delay_ms = self.eot.opts.max_wait_ms  # until the judgement says otherwise
-            assert self._eot_worker is not None
-            self._eot_worker.submit((self._utt_id, u.pause_no, np.concatenate(u.audio)))
         else:
             u.decision.wait_ms = self.endpointer.stop_delay_ms
+
+    def _maybe_judge(self) -> None:
+        """Smart Turn on the audio up to `judge_after_ms` into the pause (not at a one-frame dip inside a word),
+        once the transcript is in and only if it is not mid-phrase: then the transcript alone decides. Run
+        beside the final Whisper decode, it delayed that decode and the whole answer by ~80 ms on two cores."""
+        u = self._utt
+        if u is None or u.judged or not self.eot.smart or self._silence_ms < self.eot.opts.judge_after_ms:
+            return
+        if u.judge_frames is None:
+            u.judge_frames = len(u.audio)
+        if u.spec_text is None and self.opts.speculative and self.eot.opts.text_cue:
+            return  # the final decode is still running
+        u.judged = True
+        if u.decision is not None and u.decision.text_unfinished:
+            self._set_wait(u)
+            return
+        assert self._eot_worker is not None
+        self._eot_worker.submit((self._utt_id, u.pause_no, np.concatenate(u.audio[: u.judge_frames])))
 
     def _judge_audio(self, job: tuple[int, int, np.ndarray]) -> None:
         """End-of-turn thread: Smart Turn on the audio up to the pause."""
@@ -569,6 +619,10 @@ class VoicePipeline:
             self.endpointer.stop_delay_ms = wait
             self.emit(TurnJudged(replace(u.decision)))
 
+    def _asr_audio(self, u: _Utterance) -> np.ndarray:
+        """The utterance for Whisper, long pauses inside it shortened (see asr.close_gaps)."""
+        return close_gaps(u.audio, u.voiced, max(1, int(self.opts.asr.max_gap_ms / 1000 / FRAME_S)))
+
     def _drop_speculation(self) -> None:
         u = self._utt
         if u is None:
@@ -597,7 +651,7 @@ class VoicePipeline:
                 self._final(u, u.spec_text)
             return  # else the decode in flight finishes the turn in _on_asr
         u.spec_voiced_t = self.endpointer.last_voiced_t
-        self._asr.submit(AsrJob(self._utt_id, "final", np.concatenate(u.audio), u.spec_voiced_t))
+        self._asr.submit(AsrJob(self._utt_id, "final", self._asr_audio(u), u.spec_voiced_t))
 
     # ------------------------------------------------------------------ recognition results (asr thread)
 
@@ -611,7 +665,7 @@ class VoicePipeline:
                     stable, unstable = self.agreement.update(r.text)
                     self.emit(PartialTranscript(stable, unstable))
                     if len(r.text.split()) >= 2 and self._playing is None:
-                        if self.opts.draft and not Dialogue.is_reset_command(r.text):
+                        if self.opts.draft:
                             self._draft(u, r.text)
                         elif self._prefiller is not None:
                             # The whole hypothesis, not just the stable words: a wrong guess costs only
@@ -626,7 +680,11 @@ class VoicePipeline:
             u.spec_text = r.text
             if u.decision is not None:
                 self.eot.judge_text(u.decision, r.text)
-            if r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
+            # No speculative answer to a transcript that ends mid-phrase, unless the turn is over: the
+            # pause waits the long wait (or was a dip inside a word), and on two cores a wasted answer
+            # slows the decodes that matter (the endpoint then starts the answer, as without speculation).
+            wanted = u.endpointed or not (self.eot.smart and self.eot.opts.text_cue and unfinished_text(r.text))
+            if wanted and r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
                 u.spec_turn = self._take_draft(u, r.text) or Turn(self, r.text, u.timings, held=True)
             elif u.draft is not None:
                 u.draft.cancel()
@@ -635,34 +693,69 @@ class VoicePipeline:
                 self._final(u, r.text)
                 return
             self._set_wait(u)
+            if self.endpointer.state == "pause":
+                self._maybe_judge()
 
     def _draft(self, u: _Utterance, text: str) -> None:
-        """A partial transcript: draft the reply from it unless the current draft has the same words."""
+        """A partial transcript: draft the reply from it unless the current draft has the same words.
+
+        No draft from a partial that ends mid-phrase ("what is the capital city of"): the final
+        transcript cannot match it, and on two cores a wasted draft slows the next partial."""
         if u.draft is not None:
             if same_words(u.draft.user_text, text):
                 return
             u.draft.cancel()
+            u.draft = None
+        if len(_words(text)) < 3 or unfinished_text(text) or Dialogue.is_reset_command(text):
+            return
         u.draft = Turn(self, text, TurnTimings(), held=True, draft=True)
         self.n_drafts += 1
 
     def _take_draft(self, u: _Utterance, text: str) -> Turn | None:
         """The speculative final transcript is in: the draft becomes the turn if it has the same words."""
-        d, u.draft = u.draft, None
+        d = u.draft
         if d is None:
             return None
         if same_words(d.user_text, text) and not d.stop.is_set():
-            u.draft_outcome = "hit"
-            d.adopt(text, u.timings)
+            d.adopt(text, u.timings)  # before it stops being u.draft: a parked draft that is not live stops itself
+            u.draft, u.draft_outcome = None, "hit"
             return d
         d.cancel()
-        u.draft_outcome = "miss"
+        u.draft, u.draft_outcome = None, "miss"
         return None
+
+    def is_live(self, turn: Turn) -> bool:
+        """The turn is still wanted: playing, or the current utterance's draft or speculative turn."""
+        u = self._utt
+        return self._playing is turn or (u is not None and (u.draft is turn or u.spec_turn is turn))
+
+    def _discard_utterance(self) -> None:
+        """Drop the utterance in progress with its draft and speculative turn."""
+        u, self._utt = self._utt, None
+        if u is not None:
+            for t in (u.draft, u.spec_turn):
+                if t is not None:
+                    t.cancel()
+
+    def _asr_wanted(self, job: AsrJob) -> bool:
+        """A decode is still useful: its utterance is current and, for a final one, its pause still holds."""
+        with self._lock:
+            u = self._utt
+            return (
+                u is not None and job.turn == self._utt_id and (job.kind == "partial" or job.upto_t == u.spec_voiced_t)
+            )
 
     def _prefill_wanted(self, utt_id: int) -> bool:
         """A prefill request is still useful: same utterance, still speaking, nothing generating."""
         with self._lock:
             u = self._utt
-            return u is not None and utt_id == self._utt_id and u.spec_voiced_t is None and not u.endpointed and self._playing is None
+            return (
+                u is not None
+                and utt_id == self._utt_id
+                and u.spec_voiced_t is None
+                and not u.endpointed
+                and self._playing is None
+            )
 
     def _final(self, u: _Utterance, text: str) -> None:
         """The endpoint is decided and the transcript is final: answer (or reset)."""
@@ -712,8 +805,15 @@ class VoicePipeline:
         self._playing = None
         text = turn.full_text.strip()
         self.dialogue.add_exchange(turn.user_text, text)
-        done = TurnDone(turn.user_text, turn.answer, text, False, turn.timings, end_of_turn=turn.end_of_turn,
-                        draft=turn.draft_outcome)
+        done = TurnDone(
+            turn.user_text,
+            turn.answer,
+            text,
+            False,
+            turn.timings,
+            end_of_turn=turn.end_of_turn,
+            draft=turn.draft_outcome,
+        )
         self.turns.append(done)
         self.vad.reset()
         self.endpointer.reset()
@@ -735,7 +835,14 @@ class VoicePipeline:
         self._playing = None
         self.dialogue.add_exchange(turn.user_text, heard)
         self.emit(Interruption(onset_t, t_stopped, heard))
-        done = TurnDone(turn.user_text, turn.answer, heard, True, turn.timings, end_of_turn=turn.end_of_turn,
-                        draft=turn.draft_outcome)
+        done = TurnDone(
+            turn.user_text,
+            turn.answer,
+            heard,
+            True,
+            turn.timings,
+            end_of_turn=turn.end_of_turn,
+            draft=turn.draft_outcome,
+        )
         self.turns.append(done)
         self.emit(done)

@@ -34,7 +34,7 @@ class StreamResampler:
             return x
         if self.taps is not None:
             ext = np.concatenate([self._hist, x])
-            self._hist = ext[len(ext) - len(self._hist):] if len(self._hist) else self._hist
+            self._hist = ext[len(ext) - len(self._hist) :] if len(self._hist) else self._hist
             x = np.convolve(ext, self.taps, mode="valid").astype(np.float32)
         buf = np.concatenate([self._buf, x])
         n_out = int(np.floor((len(buf) - 1 - self._pos) / self.step)) + 1 if len(buf) > 1 + self._pos else 0
@@ -58,4 +58,4 @@ def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     y = r.process(np.concatenate([np.asarray(x, np.float32), np.zeros(pad + 2, np.float32)]))
     delay = 0 if r.taps is None else int(round(pad / r.step))
     n = int(round(len(x) * dst_rate / src_rate))
-    return y[delay:delay + n]
+    return y[delay : delay + n]

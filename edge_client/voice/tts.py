@@ -21,6 +21,8 @@ from .assets import piper_voice_path
 @dataclass
 class TtsOptions:
     length_scale: float | None = None  # < 1 speaks faster
+    noise_scale: float | None = None  # Piper samples its prosody; 0 and noise_w_scale 0: the same audio every time
+    noise_w_scale: float | None = None
     first_max_words: int = 4  # the first chunk is cut here when no clause has ended yet
     max_words: int = 40
     min_first_chars: int = 2  # do not speak a lone "A," as a chunk
@@ -86,7 +88,11 @@ class Synthesizer:
         self.opts = opts or TtsOptions()
         self.voice = PiperVoice.load(str(piper_voice_path()))
         self.rate = int(self.voice.config.sample_rate)
-        self._cfg = SynthesisConfig(length_scale=self.opts.length_scale)
+        self._cfg = SynthesisConfig(
+            length_scale=self.opts.length_scale,
+            noise_scale=self.opts.noise_scale,
+            noise_w_scale=self.opts.noise_w_scale,
+        )
         self.synthesize("Ready.")  # first run initialises onnxruntime kernels
 
     def chunks(self, text: str) -> Iterator[np.ndarray]:

@@ -31,7 +31,9 @@ class SileroVad:
         so.inter_op_num_threads = 1
         so.intra_op_num_threads = 1
         so.log_severity_level = 4
-        self._sess = onnxruntime.InferenceSession(str(silero_vad_path()), sess_options=so, providers=["CPUExecutionProvider"])
+        self._sess = onnxruntime.InferenceSession(
+            str(silero_vad_path()), sess_options=so, providers=["CPUExecutionProvider"]
+        )
         self.reset()
 
     def reset(self) -> None:

@@ -17,7 +17,9 @@ class LatestJobWorker(Generic[J]):
     """Runs `work(job)` on its own thread; a submitted job replaces the one still waiting,
     unless `keep_waiting(waiting, new)` says the waiting one must not be dropped."""
 
-    def __init__(self, name: str, work: Callable[[J], None], keep_waiting: Callable[[J, J], bool] | None = None) -> None:
+    def __init__(
+        self, name: str, work: Callable[[J], None], keep_waiting: Callable[[J, J], bool] | None = None
+    ) -> None:
         self._work = work
         self._keep_waiting = keep_waiting
         self._cv = threading.Condition()

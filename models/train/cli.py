@@ -3,6 +3,8 @@
 tokenrouter-train label --split train:240 --split oos_train:40 --out labels/train
 tokenrouter-train fit --train labels/train --val labels/val --out router.npz
 tokenrouter-train eval --split val --limit 40 --json
+tokenrouter-train eval --limit 8 --fraction 0.3 --lookahead learned --verify learned \
+    --verify-from after-first-clause --cloud-engine http://127.0.0.1:8000/v1   # + the remote engine's decisions
 tokenrouter-train reproduce      # label + fit the shipped router for the default pair
 """
 
@@ -183,6 +185,27 @@ def build_parser() -> argparse.ArgumentParser:
         "is written with lookahead (METHOD+verify@NATS:after-first-clause; the generator's --check after-first-clause); repeatable",
     )
 
+    p.add_argument(
+        "--fraction",
+        type=float,
+        action="append",
+        default=[],
+        metavar="F",
+        help="evaluate only these target cloud fractions (repeatable; default 0.1 ... 0.9)",
+    )
+    p.add_argument(
+        "--cloud-engine",
+        metavar="URL",
+        help="an OpenAI-compatible completions server of the cloud model (e.g. http://127.0.0.1:8000/v1): every "
+        "lookahead and check method also runs as METHOD@remote with that engine's decisions (docs/server.md)",
+    )
+    p.add_argument(
+        "--cloud-engine-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="prompt format of --cloud-engine: ids (vLLM, SGLang) or text (llama-cpp-python's server)",
+    )
+
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
     p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
@@ -256,6 +279,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         verify_nats=tuple(args.verify_nats or [1.0]),
         verify_from=tuple(args.verify_from or ["all"]),
         tie_nats=args.tie_nats,
+        cloud_engine=args.cloud_engine,
+        cloud_engine_format=args.cloud_engine_format,
+        **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     bar = None
     if not args.json:

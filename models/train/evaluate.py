@@ -30,6 +30,21 @@ within a run every method shares the same edge-only and cloud-only answers. Frac
 1 of each method are the edge-only and cloud-only runs. The x axis is the
 *achieved* cloud fraction, which differs from the target because thresholds
 are calibrated on the cloud's path and applied on the routed one.
+
+With `cloud_engine` (`--cloud-engine URL`: an OpenAI-compatible completions
+server of the cloud model, e.g. vLLM, or llama-cpp-python's with
+`--cloud-engine-format text`), every lookahead and check method also runs as
+"<method>@remote": there the remote engine takes the cloud's decisions (its
+token, its guess, the tie rule and the check's verdicts on the views of its
+top log-probabilities, as cloud_server/remote_engine.py does; one request
+per position), while the in-process cloud model still scores the answer.
+
+The cloud's work is counted per run (`passes_per_token`, `cloud_tokens_per_token`
+and per kind): a model of what the embedded engine does for the generator's
+messages (prompt prefill; a sync every 4 device tokens; a pass per hard token
+that brings tokens, plus one for its lookahead guess; a pass per checked
+clause over its drafts and the token before). It is not measured: a clause's
+drafts after a rejected one are not counted.
 """
 
 from __future__ import annotations
@@ -45,12 +60,13 @@ import numpy as np
 from models.registry import model_info
 from models.train.label import chat
 from models.train.pair import PairStepper, log_softmax_row
+from shared.completions import CompletionsClient, Position, VocabModel
 from shared.decision import TIE_NATS, AnswerRule, ClauseEnds, RuleOptions, Step, cloud_choice, judge_draft
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
-from shared.protocol import SamplingParams
+from shared.protocol import NEXT_TOP, SamplingParams, Work
 from shared.router import HeuristicRouter, RandomRouter
 from shared.sampling import Guess, Sampler
 from shared.textmetrics import rouge_l_f1, token_agreement
@@ -88,6 +104,9 @@ class EvalOptions:
     tie_nats: float = (
         TIE_NATS  # a device token this close to the cloud's best counts as the cloud's choice (shared/decision.py)
     )
+    cloud_engine: str | None = None  # a remote completions engine's URL: lookahead/check methods also run "@remote"
+    cloud_engine_format: str = "ids"  # its prompt format: "ids", or "text" (llama-cpp-python's server)
+    sync_every: int = 4  # the generator's eager sync (GeneratorOptions.sync_every), for the work model
 
 
 @dataclass(slots=True)
@@ -101,10 +120,12 @@ class _Run:
     rule: AnswerRule | None = None  # the generator's per-position rule (shared/decision.py); None: the router alone
     guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
     overruled: int = 0  # cloud tokens written where the check rejected the device's token
+    remote: bool = False  # the cloud's decisions come from the remote engine (`cloud_engine`)
     tokens: list[int] = field(default_factory=list)
     routed: int = 0
     nll: float = 0.0
     done: bool = False
+    work: CloudWork | None = None  # the work model (the module docstring); None for edge-only
 
 
 def _runs_for(
@@ -169,6 +190,16 @@ def _runs_for(
             for nats in opts.verify_nats
             if "after-first-clause" in opts.verify_from
         ]
+    if opts.cloud_engine:  # the same rule with the remote engine's decisions
+        runs += [
+            _Run(f"{r.method}@remote", r.target, prompt, r.policy, r.router, rule=r.rule, remote=True)
+            for r in list(runs)
+            if r.rule is not None and ("+lookahead" in r.method or "+verify" in r.method)
+        ]
+        for r in runs:
+            if r.remote:  # its own policy and rule state (the twin's are shared objects otherwise)
+                r.policy = RoutingPolicy(r.policy.config) if r.policy is not None else None
+                r.rule = AnswerRule(r.rule.options, clause_ends) if r.rule is not None else None
     return runs
 
 
@@ -187,6 +218,11 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     if not prompts:
         raise ValueError("no prompts to evaluate")
     edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
+    remote = None
+    if opts.cloud_engine:
+        remote = CompletionsClient(
+            VocabModel(cloud_info), opts.cloud_engine, prompt_format=opts.cloud_engine_format, timeout_s=60.0
+        )
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     per = opts.prompts_per_batch
     clause_ends = ClauseEnds(edge.token_bytes, edge.is_eog)
@@ -202,7 +238,7 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
                 _runs_for(k, rf, opts, edge.n_vocab, clause_ends, extra)
                 for k in range(start, min(start + per, len(prompts)))
             ]
-            _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens, opts.tie_nats)
+            _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens, opts.tie_nats, remote, opts)
             runs += [r for b in batch for r in b]
             if on_progress is not None:
                 on_progress(len(batch))
@@ -211,18 +247,29 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
         stepper.close()
         edge.close()
         cloud.close()
+        if remote is not None:
+            remote.close()
+            remote.model.close()
     result = summarise(runs, texts, opts)
     result["n_prompts"] = len(prompts)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["router"] = str(opts.router_path)
     if opts.also:
         result["also"] = [str(p) for p in opts.also]
+    if opts.cloud_engine:
+        result["cloud_engine"] = {"url": opts.cloud_engine, "prompt_format": opts.cloud_engine_format}
     result["edge_model"], result["cloud_model"] = edge_info.name, cloud_info.name
     return result
 
 
 def _decode(
-    stepper: PairStepper, batch: list[list[_Run]], prompts: list[list[int]], max_tokens: int, tie_nats: float
+    stepper: PairStepper,
+    batch: list[list[_Run]],
+    prompts: list[list[int]],
+    max_tokens: int,
+    tie_nats: float,
+    remote: CompletionsClient | None = None,
+    opts: EvalOptions | None = None,
 ) -> None:
     """Routed greedy decoding of every run. Runs whose histories are equal share one llama
     sequence; when their next tokens differ the sequence is forked (KV cells shared), so
@@ -230,14 +277,18 @@ def _decode(
     stepper.start([(p, [i]) for i, p in enumerate(prompts)])
     free = list(range(stepper.n_seq - 1, len(prompts) - 1, -1))
     seq_of: dict[int, int] = {}
+    run_prompt: dict[int, int] = {}  # run -> index of its prompt in `prompts`
     runs = [r for b in batch for r in b]
     for i, b in enumerate(batch):
         for r in b:
             seq_of[id(r)] = i
+            run_prompt[id(r)] = i
             if r.policy is not None:
                 r.policy.start_answer()
             if r.rule is not None:
                 r.rule.start_answer()
+            if r.rule is not None or r.cloud_only:
+                r.work = CloudWork(len(prompts[i]), opts.sync_every if opts is not None else 4)
     active = list(runs)
     for _ in range(max_tokens):
         views = {v.seq: v for v in stepper.views()}
@@ -255,14 +306,23 @@ def _decode(
             cloud_tok, proposed, lse = cache[(0, seq)]
             tok = cloud_tok if run.cloud_only else proposed
             run.routed += int(run.cloud_only)
-            if run.rule is not None:
-                tok = _routed_token(run, v, cloud_tok, proposed, cache, seq, tie_nats)
+            if run.cloud_only and run.work is not None:
+                run.work.stream()
+            if run.rule is not None and run.remote:
+                assert remote is not None
+                pos = _remote_position(remote, prompts[run_prompt[id(run)]] + run.tokens)
+                view = pos.view(remote.model.n_vocab)
+                tok = _routed_token(run, v, view, pos.token, proposed, cache, seq, tie_nats, pos.guess())
+            elif run.rule is not None:
+                tok = _routed_token(run, v, v.cloud_logits, cloud_tok, proposed, cache, seq, tie_nats)
             run.nll += lse - float(v.cloud_logits[tok])
             run.tokens.append(tok)
             if stepper.edge.is_eog(tok):
                 run.done = True
             else:
                 moves.setdefault(seq, {}).setdefault(tok, []).append(run)
+            if run.work is not None and (run.done or len(run.tokens) >= max_tokens):
+                run.work.finish()
         advance: dict[int, int] = {}
         for seq in views:
             if seq not in moves:
@@ -285,18 +345,32 @@ def _decode(
         stepper.release(seq)
 
 
-def _routed_token(run: _Run, v: Any, cloud_tok: int, proposed: int, cache: dict, seq: int, tie_nats: float) -> int:
+def _routed_token(
+    run: _Run,
+    v: Any,
+    cloud_logits: np.ndarray,
+    cloud_tok: int,
+    proposed: int,
+    cache: dict,
+    seq: int,
+    tie_nats: float,
+    remote_guess: Guess | None = None,
+) -> int:
     """One position of a routed run, by the generator's rule (shared/decision.py) with both
     models' logits at hand: the cloud's guess, its `generate` and its check are evaluated here
     exactly as the cloud would. Greedy: the check's redrafting after a rejection follows the
-    same path, so judging each draft where it stands gives the generator's answer."""
+    same path, so judging each draft where it stands gives the generator's answer. `cloud_logits`
+    is the in-process cloud model's row, or a remote engine's view (then `remote_guess` is its guess)."""
     rule = run.rule
     assert rule is not None and run.policy is not None
     guess = None
     if rule.guess_due:  # the cloud sent its guess with its last token
-        if (1, seq) not in cache:
-            cache[(1, seq)] = Guess.of(v.cloud_logits, cloud_tok)
-        guess = cache[(1, seq)]
+        if remote_guess is not None:
+            guess = remote_guess
+        else:
+            if (1, seq) not in cache:
+                cache[(1, seq)] = Guess.of(cloud_logits, cloud_tok)
+            guess = cache[(1, seq)]
     flagged = None
     if rule.router_asked(guess):
         key = (id(run.router), seq)
@@ -306,19 +380,95 @@ def _routed_token(run: _Run, v: Any, cloud_tok: int, proposed: int, cache: dict,
     step = rule.step(flagged, guess, proposed)
     tok = proposed
     if step is Step.GUESS_TAKE:
-        tok = cloud_tok
+        tok = guess.token if guess is not None else cloud_tok
         run.guessed += 1
     elif step is Step.ASK:
-        tok = cloud_choice(v.cloud_logits, _GREEDY, proposed, tie_nats)
+        tok = cloud_choice(cloud_logits, _GREEDY, proposed, tie_nats)
     elif step is Step.DRAFT:
-        verdict = judge_draft(v.cloud_logits, proposed, bool(flagged), rule.options.check_nats, _GREEDY, tie_nats)
+        verdict = judge_draft(cloud_logits, proposed, bool(flagged), rule.options.check_nats, _GREEDY, tie_nats)
         tok = proposed if verdict < 0 else verdict
         run.overruled += int(verdict >= 0 and not flagged)
     run.routed += int(
         step in (Step.ASK, Step.GUESS_TAKE) or (step is Step.DRAFT and (bool(flagged) or tok != proposed))
     )
+    if run.work is not None:
+        run.work.step(step, proposed, tok, rule)
     rule.written(tok, cloud_answered=step is Step.ASK)
     return tok
+
+
+def _remote_position(client: CompletionsClient, history: list[int]) -> Position:
+    """The remote engine's greedy choice after `history` with its top list (one request). Where it
+    ended the answer without listing anything, its end token is its only listed choice."""
+    reply = client.post(client.body(history, 1, SamplingParams(), NEXT_TOP))
+    assert reply is not None
+    pos = client.positions(reply, 1)[0]
+    if not pos.listed:
+        pos = Position(pos.token, 0.0)
+    return pos
+
+
+class CloudWork:
+    """The embedded engine's passes and tokens for the generator's messages, replayed per run (a
+    model: see the module docstring). States: device tokens the cloud lacks (`unsent`), its own
+    written token not yet decoded (`own`), next-position logits kept by a prefill (`ready`)."""
+
+    MAX_DRAFT = 12  # GeneratorOptions.check_max_draft
+
+    def __init__(self, n_prompt: int, sync_every: int = 4) -> None:
+        self.work = Work()
+        self.sync_every = sync_every
+        self.unsent = self.own = self.clause = 0
+        self.ready, self.past_end = True, False
+        self._pass("prefill_tokens", n_prompt)  # after hello
+
+    def _pass(self, kind: str, n: int) -> None:
+        if n > 0:
+            self.work.passes += 1
+            setattr(self.work, kind, getattr(self.work, kind) + n)
+
+    def _sync(self) -> None:
+        n = self.unsent + self.own
+        if n:
+            self._pass("prefill_tokens", n)
+            self.unsent = self.own = 0
+            self.ready = True
+
+    def stream(self) -> None:
+        """Policy cloud: each streamed token is one pass over the token before it."""
+        self._pass("generate_tokens", 1)
+
+    def step(self, step: Step, proposed: int, tok: int, rule: AnswerRule) -> None:
+        if step is Step.ASK:
+            n = self.unsent + self.own or int(not self.ready)  # kept logits: no pass
+            self._pass("generate_tokens", n)
+            self.unsent, self.own, self.ready = 0, 1, False
+            if rule.options.lookahead:  # the guess: the written token decoded at once
+                self._pass("guess_tokens", 1)
+                self.own, self.ready = 0, True
+        elif step is Step.DRAFT:
+            if self.clause == 0:
+                self._sync()  # the check sends the final tokens the cloud lacks first
+            self.clause += 1
+            rejected = tok != proposed
+            if rejected or self.past_end or self.clause >= self.MAX_DRAFT:
+                self._verify(rejected)
+            else:
+                self.past_end = rule.clause_ends(proposed)
+        else:  # a device token (kept, or the guess taken on the device): synced every `sync_every`
+            self.unsent += 1
+            if self.unsent >= self.sync_every:
+                self._sync()
+
+    def finish(self) -> None:
+        """The answer ended: a clause still drafting is checked (the generator's last verify)."""
+        if self.clause:
+            self._verify(False)
+
+    def _verify(self, rejected: bool) -> None:
+        self._pass("verify_tokens", self.clause + 1)  # the drafts and the token before them
+        self.clause, self.past_end = 0, False
+        self.unsent, self.own, self.ready = 0, int(rejected), False
 
 
 _GREEDY = Sampler(SamplingParams())
@@ -347,6 +497,7 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
                 float(np.mean([token_agreement(r.tokens, by_prompt_cloud[r.prompt][0].tokens) for r, t in items])), 4
             ),
             "n_tokens": n,
+            **_work_point(items, n),
         }
 
     edge_pt, cloud_pt = point(groups[("edge-only", 0.0)], 0.0), point(groups[("cloud-only", 1.0)], 1.0)
@@ -368,6 +519,22 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
         "gap_recovered_at_30_ci95": gap_interval(runs, names, seed=opts.seed),
         "cloud_nll_at": nll_at,
         "learned_beats_entropy_10_to_50": beats,
+    }
+
+
+def _work_point(items: list[tuple[_Run, str]], n: int) -> dict[str, Any]:
+    """The work model's passes and tokens per answer token (zero for edge-only)."""
+    total = Work()
+    for r, _ in items:
+        if r.work is not None:
+            total.add(r.work.work)
+    n = max(n, 1)
+    return {
+        "passes_per_token": round(total.passes / n, 4),
+        "cloud_tokens_per_token": round(total.tokens / n, 4),
+        "cloud_tokens_by_kind_per_token": {
+            k: round(getattr(total, f"{k}_tokens") / n, 4) for k in ("prefill", "generate", "verify", "guess")
+        },
     }
 
 

@@ -1,0 +1,251 @@
+"""What the app loads once per launch and shares with each tab in turn: models, generator, cloud, settings.
+
+Settings from the page are applied between answers: the generator's options (`reconfigure`), a
+routing policy rebuilt for a new cloud fraction, a new cloud target (the next answer connects to
+it), a new Piper pace. The conversation history lives here too, so a reloaded tab keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
+
+from edge_client.cloud_link import CloudLink, CloudRejected, CloudUnavailable
+from edge_client.generator import RoutedGenerator
+from edge_client.local_cloud import loopback_server
+from edge_client.options import GeneratorOptions
+from edge_client.voice.audio_io import DeviceError, list_devices
+from edge_client.voice.dialogue import Dialogue
+from edge_client.voice.events import TurnDone
+from edge_client.voice.pipeline import Engines, VoiceOptions
+from edge_client.voice.tts import Synthesizer
+from models.registry import model_info
+from shared.llama_backend import LlamaModel
+from shared.policy import RoutingPolicy
+
+from .settings import AppSettings, SettingsStore
+
+log = logging.getLogger(__name__)
+
+
+class _AppLink(CloudLink):
+    """A link whose refused session (a wrong key, say) leaves the app answering on the device: the
+    generator treats a refusal as a configuration error and stops the answer, which in the app
+    would silence the assistant over a setting the person can fix on the page."""
+
+    def open(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().open(*args, **kwargs)
+        except CloudRejected as e:
+            raise CloudUnavailable(f"{e}; check the cloud URL and key in Settings") from e
+
+
+class CloudTarget:
+    """The generator's `connect`: a link to whichever cloud the settings name now.
+
+    Swapped between answers by `AppCore.apply`; the generator's cloud session calls it when the
+    next answer needs a link."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.url = ""
+        self.key = ""
+        self.timeout_s = timeout_s
+
+    def __call__(self) -> CloudLink:
+        if not self.url:
+            raise CloudUnavailable("no cloud configured")
+        return _AppLink(self.url, self.key, timeout_s=self.timeout_s)
+
+
+def cloud_label(cloud: str) -> str:
+    """The cloud as the page shows it: never a key, never a URL's user info."""
+    if cloud in ("local", "none"):
+        return {"local": "local server (loopback)", "none": "none (device only)"}[cloud]
+    u = urlsplit(cloud)
+    return f"{u.scheme}://{u.hostname}{f':{u.port}' if u.port else ''}{u.path}"
+
+
+class AppCore:
+    """Models, generator, cloud and settings for one launch of the app.
+
+    `audio` is "browser" (the page's microphone and speakers) or "device" (sounddevice on this
+    machine). `saved` is what the settings file holds; `settings` is what is in force, which the
+    command line may override for this launch without writing it to the file."""
+
+    def __init__(
+        self,
+        gen_opts: GeneratorOptions,
+        vopts: VoiceOptions,
+        store: SettingsStore,
+        overrides: dict[str, Any] | None = None,
+        audio: str = "browser",
+        first_audio_only: bool = False,
+    ) -> None:
+        self.gen_opts = gen_opts
+        self.vopts = vopts
+        self.store = store
+        self.saved = store.load()
+        self.settings = self.saved.updated(overrides or {})
+        self.audio = audio
+        self.first_audio_only = first_audio_only  # benchmarks: each turn ends once its first audio is out
+        self.base_policy = gen_opts.policy
+        self.target = CloudTarget(gen_opts.cloud_timeout_s)
+        self.gen: RoutedGenerator | None = None
+        self.engines: Engines | None = None
+        self.dialogue: Dialogue | None = None
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.turn_listeners: list[Callable[[TurnDone], None]] = []  # tests and benchmarks observe finished turns
+        self.active: Any = None  # the connected tab's session (session.Session)
+        self._stack = contextlib.ExitStack()
+        self._local: tuple[str, str] | None = None
+        self._apply_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- loading
+
+    def load(self) -> None:
+        """Load the models, reach the cloud, warm everything up (seconds); sets `ready` or `load_error`."""
+        try:
+            s = self.settings
+            edge = LlamaModel(model_info(self.gen_opts.edge_model))
+            self._stack.callback(edge.close)
+            self._point_target(s.cloud, s.api_key)
+            opts = replace(
+                self.gen_opts,
+                cloud_fraction=s.cloud_fraction,
+                threshold=0.5,
+                check=s.check,
+                policy=self._policy_for(s.cloud),
+            )
+            gen = RoutedGenerator(edge, opts, self.target)
+            self._stack.callback(gen.close)
+            tts = replace(self.vopts.tts, length_scale=self._length_scale(s.pace))
+            self.engines = Engines(gen, self.vopts.asr, tts, self.vopts.dialogue.system_prompt, self.vopts.turn)
+            self.gen = gen
+            self.dialogue = Dialogue(self.vopts.dialogue, gen.count_tokens)
+        except Exception as e:
+            log.exception("the app could not load")
+            self.load_error = f"{type(e).__name__}: {e}"
+        finally:
+            self.ready.set()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    # ---------------------------------------------------------------- settings
+
+    def apply(self, changes: dict[str, Any]) -> AppSettings:
+        """Validate `changes`, apply them to the next answer, save them; raises SettingsError.
+        Blocks while an answer is being generated (the generator's options change between answers)."""
+        with self._apply_lock:
+            new = self.settings.updated(changes)
+            saved = self.saved.updated(changes)
+            old = self.settings
+            if (new.cloud, new.api_key) != (old.cloud, old.api_key):
+                self._point_target(new.cloud, new.api_key)
+                assert self.gen is not None
+                with self._generator_idle():
+                    self.gen.cloud.retire()  # the next answer connects to the new target
+            if (new.cloud, new.cloud_fraction, new.check) != (old.cloud, old.cloud_fraction, old.check):
+                self._reconfigure(new)
+            if new.pace != old.pace and self.engines is not None:
+                self.engines.synth = Synthesizer(replace(self.vopts.tts, length_scale=self._length_scale(new.pace)))
+            self.settings, self.saved = new, saved
+            self.store.save(saved)
+            return new
+
+    def _reconfigure(self, s: AppSettings) -> None:
+        """Check mode, policy and cloud fraction for the next answer. `reconfigure` keeps the policy
+        object, so a new fraction needs a new policy (from the router's prior, as at start-up)."""
+        gen = self.gen
+        assert gen is not None
+        gen.reconfigure(check=s.check, cloud_fraction=s.cloud_fraction, threshold=0.5, policy=self._policy_for(s.cloud))
+        with self._generator_idle():
+            gen.policy = RoutingPolicy(gen.opts.policy_config(), prior=getattr(gen.router, "threshold_for", None))
+
+    @contextlib.contextmanager
+    def _generator_idle(self) -> Iterator[None]:
+        """Hold the generator between answers (its own lock: an answer in progress finishes first)."""
+        assert self.gen is not None
+        with self.gen._lock:
+            yield
+
+    def _policy_for(self, cloud: str) -> str:
+        return "edge" if cloud == "none" else self.base_policy
+
+    @staticmethod
+    def _length_scale(pace: float) -> float | None:
+        return None if abs(pace - 1.0) < 1e-6 else float(pace)
+
+    def _point_target(self, cloud: str, key: str) -> None:
+        if cloud == "none":
+            self.target.url, self.target.key = "", ""
+        elif cloud == "local":
+            self.target.url, self.target.key = self._local_server()
+        else:
+            self.target.url, self.target.key = cloud, key
+
+    def _local_server(self) -> tuple[str, str]:
+        """The loopback cloud server, started the first time it is needed and kept until the app exits."""
+        if self._local is None:
+            self._local = self._stack.enter_context(loopback_server(self.gen_opts.cloud_model))
+        return self._local
+
+    # ---------------------------------------------------------------- what the page shows
+
+    def cloud_status(self) -> dict[str, Any]:
+        s = self.settings
+        gen = self.gen
+        if s.cloud == "none":
+            state, error = "device-only", ""
+        elif gen is not None and gen.link is not None and gen.link.connected:
+            state, error = "connected", ""
+        else:
+            state, error = "offline", (gen.last_cloud_error if gen is not None else "")
+        return {"type": "cloud", "state": state, "label": cloud_label(s.cloud), "error": error}
+
+    def devices(self) -> dict[str, list[str]]:
+        """Input and output device names (--audio device), or empty lists when PortAudio is missing."""
+        try:
+            devs = list_devices()
+        except DeviceError:
+            return {"inputs": [], "outputs": []}
+        return {
+            "inputs": [d["name"] for d in devs if d["max_input_channels"] > 0],
+            "outputs": [d["name"] for d in devs if d["max_output_channels"] > 0],
+        }
+
+    def test_cloud(self, cloud: str, key: str | None) -> dict[str, Any]:
+        """Open and close a session with `cloud` (the stored key when `key` is None): ok, or why not."""
+        key = self.settings.api_key if key is None else key
+        if cloud == "none":
+            return {"ok": True, "message": "no cloud: the device answers alone"}
+        try:
+            url, key = self._local_server() if cloud == "local" else (cloud, key)
+        except Exception as e:
+            return {"ok": False, "message": f"the local cloud server did not start: {e}"}
+        assert self.gen is not None
+        edge = self.gen.edge
+        messages = [{"role": "system", "content": self.vopts.dialogue.system_prompt}]
+        link = CloudLink(url, key, timeout_s=5.0, connect_timeout_s=5.0)
+        t0 = time.perf_counter()
+        try:
+            accept = link.open(edge.info, messages, edge.chat_tokens(messages), self.gen.opts.sampling())
+            ms = (time.perf_counter() - t0) * 1000
+            return {
+                "ok": True,
+                "message": f"connected to {cloud_label(cloud)} in {ms:.0f} ms; cloud model {accept.cloud_model[:16]}",
+            }
+        except CloudRejected as e:
+            return {"ok": False, "message": f"the cloud refused the session: {e} (check the API key)"}
+        except (CloudUnavailable, OSError) as e:
+            return {"ok": False, "message": f"cannot reach {cloud_label(cloud)}: {e}"}
+        except Exception as e:  # a server that speaks something else
+            return {"ok": False, "message": f"{cloud_label(cloud)} did not answer as a TokenRouter cloud: {e}"}
+        finally:
+            link.close("connection test")

@@ -1,0 +1,608 @@
+// The TokenRouter assistant page: microphone and speaker for the voice pipeline, and its view.
+// Everything here is served by the local app (no CDN); the address holds the launch's token, so
+// relative URLs carry it to every request.
+"use strict";
+
+const BASE = location.pathname.endsWith("/") ? location.pathname : location.pathname.replace(/[^/]*$/, "");
+const $ = (sel) => document.querySelector(sel);
+const STAGES = ["speech_end", "endpoint_decided", "asr_final", "llm_first_token", "first_clause_ready", "tts_first_audio", "first_audio_out"];
+
+const S = {
+  ws: null, hello: null, settings: null, choices: null, devices: null,
+  playCtx: null, player: null, capCtx: null, capNode: null, micStream: null, micOn: false,
+  current: null, retries: 0, takenOver: false, pttDown: false, playSeq: 0,
+};
+// What tests (and the curious) can read: reply audio received and played, per page load.
+window.trStats = { firstPlayDelayMs: null, chunks: 0, received: 0, played: 0, peak: 0, rms: 0, turns: 0, progressReports: 0 };
+
+// ------------------------------------------------------------------ connection
+
+function connect() {
+  setStatus("connecting", "connecting…");
+  const ws = new WebSocket(`ws://${location.host}${BASE}ws`);
+  ws.binaryType = "arraybuffer";
+  S.ws = ws;
+  ws.onopen = () => { S.retries = 0; };
+  ws.onmessage = (e) => (typeof e.data === "string" ? onMessage(JSON.parse(e.data)) : onAudio(e.data));
+  ws.onclose = (e) => {
+    if (S.ws !== ws) return;
+    S.ws = null;
+    flushPlayer();
+    if (e.code === 4001 || S.takenOver) {
+      setStatus("idle", "in another tab");
+      banner("The assistant is now in use in another tab.", "Use it here", () => { S.takenOver = false; hideBanner(); connect(); });
+      return;
+    }
+    setStatus("disconnected", "disconnected");
+    if (S.retries++ < 5) {
+      banner("Lost the connection to the assistant; retrying…");
+      setTimeout(connect, 1000 * S.retries);
+    } else {
+      banner("The assistant is not running. Start it again with “tokenrouter-edge app” and open the address it prints.");
+    }
+  };
+}
+
+function send(obj) {
+  if (S.ws && S.ws.readyState === WebSocket.OPEN) S.ws.send(JSON.stringify(obj));
+}
+
+function onMessage(m) {
+  switch (m.type) {
+    case "loading": setStatus("loading", "loading models…"); break;
+    case "fatal": setStatus("disconnected", "stopped"); banner(m.message); break;
+    case "hello": onHello(m); break;
+    case "listening": setStatus("listening", S.settings && S.settings.talk_mode === "push-to-talk" ? "hold space to talk" : "listening"); break;
+    case "speech_started": setStatus("hearing", "hearing you"); renderPartial("", ""); break;
+    case "partial": renderPartial(m.stable, m.unstable); break;
+    case "final": renderPartial("", ""); if (m.text) { newTurn(m.text); setStatus("answering", "answering"); } break;
+    case "token": addToken(m); break;
+    case "interruption": onInterruption(m); break;
+    case "turn_done": onTurnDone(m); break;
+    case "notice": notice(m.level, m.message); break;
+    case "cloud": setCloud(m); break;
+    case "history": renderMemory(m.history); break;
+    case "settings": applySettings(m.settings); break;
+    case "play_turn": S.playSeq = m.seq; if (S.player) S.player.port.postMessage({ type: "turn", seq: m.seq }); break;
+    case "play_pause": if (S.player) S.player.port.postMessage({ type: "pause", paused: m.paused }); break;
+    case "play_flush": if (S.player) S.player.port.postMessage({ type: "flush", seq: m.seq }); break;
+    case "taken_over": S.takenOver = true; break;
+    default: break; // e.g. the end-of-turn judgement: not shown
+  }
+}
+
+async function onHello(m) {
+  S.hello = m;
+  S.choices = m.choices || {};
+  S.devices = m.devices;
+  document.body.dataset.audioMode = m.audio;
+  applySettings(m.settings);
+  renderMemory(m.history);
+  if (!$("#turns").children.length) renderPastTurns(m.history);
+  setCloud(m.cloud);
+  hideBanner();
+  if (m.audio !== "browser") {
+    setMic(false, "this machine's");
+    send({ type: "ready", mic: false });
+    return;
+  }
+  const micError = await startAudio();
+  send({ type: "ready", mic: S.micOn, mic_error: micError });
+}
+
+// ------------------------------------------------------------------ audio
+
+async function startAudio() {
+  try {
+    if (!S.playCtx) {
+      S.playCtx = new AudioContext({ sampleRate: S.hello.rate_out, latencyHint: "interactive" });
+      await S.playCtx.audioWorklet.addModule(BASE + "static/worklets.js");
+      S.player = new AudioWorkletNode(S.playCtx, "tr-player", { numberOfInputs: 0, outputChannelCount: [1] });
+      S.player.connect(S.playCtx.destination);
+      S.player.port.onmessage = onPlayerReport;
+    }
+  } catch (e) {
+    notice("error", `This browser cannot play the replies here (${e.name}: ${e.message}).`);
+  }
+  const micError = await startMic();
+  await audioRunning();
+  document.body.dataset.audio = "on";
+  return micError;
+}
+
+// The browser plays sound only after a click on the page: ask for one when it is needed.
+function audioRunning() {
+  const ctxs = [S.playCtx, S.capCtx].filter(Boolean);
+  if (ctxs.every((c) => c.state === "running")) return Promise.resolve();
+  Promise.all(ctxs.map((c) => c.resume())).catch(() => {});
+  return new Promise((resolve) => {
+    const check = () => {
+      if (ctxs.every((c) => c.state === "running")) { $("#start-overlay").hidden = true; resolve(); return true; }
+      return false;
+    };
+    setTimeout(() => { if (!check()) { $("#start-overlay").hidden = false; setStatus("idle", "click Start"); } }, 300);
+    $("#start").onclick = async () => { await Promise.all(ctxs.map((c) => c.resume())); check(); };
+  });
+}
+
+async function startMic() {
+  if (S.micStream) return null;
+  if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) {
+    setMic(false, "unavailable");
+    return "This browser gives the page no microphone. You can still drop an audio file to ask a question.";
+  }
+  const aec = !S.settings || S.settings.echo_cancellation !== false;
+  try {
+    S.micStream = await navigator.mediaDevices.getUserMedia({
+      audio: { echoCancellation: aec, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
+    });
+  } catch (e) {
+    setMic(false, "refused");
+    if (e.name === "NotAllowedError" || e.name === "SecurityError") {
+      return "Microphone access was refused. Allow it for this page (the icon left of the address) and reload. Until then you can drop an audio file to ask a question.";
+    }
+    if (e.name === "NotFoundError") return "No microphone was found. Plug one in and reload; meanwhile you can drop an audio file.";
+    return `The microphone could not be opened (${e.name}: ${e.message}); meanwhile you can drop an audio file.`;
+  }
+  try {
+    try { S.capCtx = new AudioContext({ sampleRate: 16000, latencyHint: "interactive" }); } catch (e) { S.capCtx = new AudioContext(); }
+    await S.capCtx.audioWorklet.addModule(BASE + "static/worklets.js");
+    const src = S.capCtx.createMediaStreamSource(S.micStream);
+    S.capNode = new AudioWorkletNode(S.capCtx, "tr-capture", { numberOfOutputs: 0 });
+    src.connect(S.capNode);
+    S.capNode.port.onmessage = (e) => { if (S.ws && S.ws.readyState === WebSocket.OPEN) S.ws.send(e.data); };
+  } catch (e) {
+    stopMic();
+    setMic(false, "failed");
+    return `The microphone could not be read (${e.name}: ${e.message}).`;
+  }
+  S.micStream.getAudioTracks()[0].onended = () => {
+    stopMic();
+    setMic(false, "stopped");
+    send({ type: "mic", on: false });
+    notice("warning", "The microphone stopped (unplugged, or taken by another program).");
+  };
+  setMic(true);
+  return null;
+}
+
+function stopMic() {
+  if (S.micStream) S.micStream.getTracks().forEach((t) => t.stop());
+  if (S.capCtx) S.capCtx.close().catch(() => {});
+  S.micStream = S.capCtx = S.capNode = null;
+  S.micOn = false;
+}
+
+async function restartMic() {
+  stopMic();
+  const err = await startMic();
+  if (err) notice("warning", err);
+  if (S.capCtx && S.capCtx.state !== "running") await audioRunning();
+  send({ type: "mic", on: S.micOn });
+}
+
+function onAudio(buf) {
+  const seq = new DataView(buf).getUint32(0, true);
+  const pcm = new Int16Array(buf, 4);
+  const f = new Float32Array(pcm.length);
+  for (let i = 0; i < pcm.length; i++) f[i] = pcm[i] / 32768;
+  trStats.chunks += 1;
+  trStats.received += f.length;
+  if (seq !== S.firstChunkSeq) { S.firstChunkSeq = seq; S.firstChunkAt = performance.now(); }
+  if (S.player) S.player.port.postMessage({ type: "chunk", seq, samples: f }, [f.buffer]);
+  if (seq === S.playSeq) setStatus("speaking", "speaking");
+}
+
+function onPlayerReport(e) {
+  const r = e.data;
+  trStats.progressReports += 1;
+  trStats.peak = Math.max(trStats.peak, r.peak);
+  trStats.rms = r.rms;
+  trStats.played = r.total;
+  if (r.first && r.seq === S.firstChunkSeq) trStats.firstPlayDelayMs = performance.now() - S.firstChunkAt;
+  send({ type: "progress", seq: r.seq, played: r.played, first: r.first });
+}
+
+function flushPlayer() {
+  if (S.player) S.player.port.postMessage({ type: "flush", seq: S.playSeq });
+}
+
+// ------------------------------------------------------------------ the conversation
+
+function newTurn(userText) {
+  const el = document.createElement("div");
+  el.className = "turn";
+  el.innerHTML = '<div class="msg user"><span class="who">you</span><span class="text"></span></div>'
+    + '<div class="msg assistant"><span class="who">assistant</span><span class="answer"></span><div class="kept" hidden></div></div>';
+  el.querySelector(".user .text").textContent = userText;
+  $("#turns").appendChild(el);
+  S.current = { el, answer: el.querySelector(".answer"), tokens: [] };
+  el.scrollIntoView({ block: "end" });
+}
+
+function tokenTitle(route, score, extra) {
+  const who = route === "cloud" ? "written by the cloud" : "written on the device";
+  const sc = score === null || score === undefined ? "no router score" : `router score ${score.toFixed(3)}`;
+  return `${sc} · ${who}${extra ? " · " + extra : ""}`;
+}
+
+function addToken(m) {
+  if (!S.current) newTurn("(…)");
+  const span = document.createElement("span");
+  span.className = "tok " + m.route;
+  if (m.route === "cloud" && m.score === null) span.classList.add("lookahead");
+  span.dataset.i = m.i;
+  span.dataset.route = m.route;
+  if (m.score !== null) span.dataset.score = m.score;
+  span.title = tokenTitle(m.route, m.score, span.classList.contains("lookahead") ? "the cloud's lookahead guess" : "");
+  span.textContent = m.text;
+  S.current.answer.appendChild(span);
+  S.current.tokens[m.i] = span;
+}
+
+function onInterruption(m) {
+  if (!S.current) return;
+  S.current.el.classList.add("interrupted");
+  notice("info", `Interrupted (reply paused ${Math.round(m.stop_ms)} ms after you started); kept: “${m.heard}”`);
+}
+
+function onTurnDone(m) {
+  trStats.turns += 1;
+  if (m.reset) { S.current = null; setStatus("listening", "listening"); return; }
+  renderWaterfall(m.timings);
+  const a = m.answer;
+  const t = S.current;
+  if (a && t) {
+    // The final record decides: routes, the cloud's guesses and its overrules.
+    a.pieces.forEach((text, i) => {
+      let span = t.tokens[i];
+      if (!span) { addToken({ i, text, route: a.routes[i], score: a.scores[i] }); span = t.tokens[i]; }
+      span.className = "tok " + a.routes[i];
+      span.dataset.route = a.routes[i];
+      const extra = [];
+      if (a.lookahead_positions.includes(i)) {
+        if (a.routes[i] === "cloud") { span.classList.add("lookahead"); extra.push("the cloud's lookahead guess"); }
+        else extra.push("the cloud's guess was near enough: the device kept its token");
+      }
+      if (a.overruled_positions.includes(i)) { span.classList.add("overruled"); extra.push("the cloud's check overruled the device here"); }
+      span.title = tokenTitle(a.routes[i], a.scores[i], extra.join(", "));
+    });
+    if (m.interrupted) markUnplayed(t, m.spoken_text);
+  }
+  renderStats(a, m);
+  S.current = null;
+}
+
+// After a barge-in only what was played stays in the history: dim the rest of the answer.
+function markUnplayed(t, kept) {
+  const keptChars = kept.replace(/\s+/g, "").length;
+  let n = 0;
+  for (const span of t.tokens) {
+    if (!span) continue;
+    n += span.textContent.replace(/\s+/g, "").length;
+    if (n > keptChars) span.classList.add("unplayed");
+  }
+  const k = t.el.querySelector(".kept");
+  k.hidden = false;
+  k.textContent = `interrupted · kept in history: “${kept}”`;
+}
+
+// A reloaded page (or one that took over) shows the conversation so far, as the history holds it.
+function renderPastTurns(history) {
+  for (let i = 0; i + 1 < (history || []).length; i += 2) {
+    newTurn(history[i].content);
+    S.current.answer.textContent = history[i + 1].content;
+    S.current.el.classList.add("past");
+  }
+  S.current = null;
+}
+
+function renderPartial(stable, unstable) {
+  $("#partial .stable").textContent = stable;
+  $("#partial .unstable").textContent = unstable;
+}
+
+function renderWaterfall(timings) {
+  const vals = STAGES.map((s) => timings[s]).filter((v) => v !== null && v !== undefined);
+  const lo = Math.min(0, ...vals);
+  const hi = Math.max(1, ...vals);
+  $("#waterfall").classList.remove("empty");
+  for (const s of STAGES) {
+    const row = $(`#waterfall .stage[data-stage="${s}"]`);
+    const v = timings[s];
+    const bar = row.querySelector(".bar");
+    if (v === null || v === undefined) {
+      row.dataset.ms = "";
+      bar.style.width = "0";
+      row.querySelector(".ms").textContent = "–";
+      continue;
+    }
+    row.dataset.ms = v;
+    bar.style.left = `${((Math.min(0, v) - lo) / (hi - lo)) * 100}%`;
+    bar.style.width = `${(Math.abs(v) / (hi - lo)) * 100}%`;
+    row.querySelector(".ms").textContent = `${Math.round(v)}`;
+  }
+}
+
+function fmtBytes(n) {
+  return n < 1024 ? `${n} B` : `${(n / 1024).toFixed(1)} KB`;
+}
+
+function renderStats(a, m) {
+  const st = $("#answer-state");
+  if (!a) { st.textContent = "–"; return; }
+  const share = a.n_tokens ? a.n_cloud_tokens / a.n_tokens : 0;
+  $("#cloud-share").textContent = `${Math.round(share * 100)}% (${a.n_cloud_tokens}/${a.n_tokens})`;
+  $("#cloud-share-bar").style.width = `${share * 100}%`;
+  $("#round-trips").textContent = `${a.round_trips}`;
+  $("#bytes").textContent = `${fmtBytes(a.bytes_up)} / ${fmtBytes(a.bytes_down)}`;
+  st.dataset.state = a.degraded ? "degraded" : m.interrupted ? "interrupted" : "complete";
+  st.textContent = a.degraded ? "degraded: the device finished alone" : m.interrupted ? "interrupted" : "complete";
+  const e2a = m.eos_to_first_audio_ms;
+  $("#last-turn h2").textContent = e2a === null ? "Last turn" : `Last turn · ${Math.round(e2a)} ms to first audio`;
+}
+
+function renderMemory(history) {
+  const ol = $("#memory");
+  ol.textContent = "";
+  for (const msg of history || []) {
+    const li = document.createElement("li");
+    li.className = "msg";
+    li.dataset.role = msg.role;
+    li.textContent = msg.content;
+    ol.appendChild(li);
+  }
+  if (!history || !history.length) {
+    const li = document.createElement("li");
+    li.className = "empty";
+    li.textContent = "nothing yet";
+    ol.appendChild(li);
+  }
+}
+
+// ------------------------------------------------------------------ status, notices, banner
+
+function setStatus(state, text) {
+  const el = $("#status");
+  el.dataset.state = state;
+  el.textContent = text;
+}
+
+function setCloud(c) {
+  const el = $("#cloud-badge");
+  el.dataset.state = c.state;
+  el.textContent = { connected: "cloud: connected", "device-only": "device only", offline: "offline: device answers alone" }[c.state] || c.state;
+  el.title = `${c.label}${c.error ? " — " + c.error : ""}`;
+}
+
+function setMic(on, why) {
+  S.micOn = on;
+  const el = $("#mic-badge");
+  el.dataset.state = on ? "on" : "off";
+  el.textContent = on ? "mic: on" : `mic: ${why || "off"}`;
+}
+
+function notice(level, message) {
+  const el = document.createElement("div");
+  el.className = "notice";
+  el.dataset.level = level;
+  const text = document.createElement("span");
+  text.textContent = message;
+  const x = document.createElement("button");
+  x.textContent = "×";
+  x.title = "dismiss";
+  x.onclick = () => el.remove();
+  el.append(text, x);
+  $("#notices").appendChild(el);
+  if (level === "info") setTimeout(() => el.remove(), 8000);
+  while ($("#notices").children.length > 6) $("#notices").firstChild.remove();
+}
+
+function banner(text, action, onAction) {
+  const b = $("#banner");
+  b.textContent = text;
+  if (action) {
+    const btn = document.createElement("button");
+    btn.textContent = action;
+    btn.onclick = onAction;
+    b.append(" ", btn);
+  }
+  b.hidden = false;
+}
+
+function hideBanner() {
+  $("#banner").hidden = true;
+}
+
+// ------------------------------------------------------------------ talking: hands-free and push-to-talk
+
+function setTalkMode(mode) {
+  document.body.dataset.talkMode = mode;
+  $("#mode-hands-free").classList.toggle("on", mode === "hands-free");
+  $("#mode-ptt").classList.toggle("on", mode === "push-to-talk");
+  $("#ptt-hint").hidden = mode !== "push-to-talk";
+}
+
+function isTyping(e) {
+  const t = e.target;
+  return t && (t.tagName === "INPUT" || t.tagName === "SELECT" || t.tagName === "TEXTAREA" || t.isContentEditable);
+}
+
+window.addEventListener("keydown", (e) => {
+  if (e.code !== "Space" || isTyping(e) || $("#settings").open) return;
+  if (!S.settings || S.settings.talk_mode !== "push-to-talk") return;
+  e.preventDefault();
+  if (e.repeat || S.pttDown) return;
+  S.pttDown = true;
+  document.body.dataset.ptt = "down";
+  send({ type: "ptt", down: true });
+});
+
+window.addEventListener("keyup", (e) => {
+  if (e.code !== "Space" || !S.pttDown) return;
+  e.preventDefault();
+  S.pttDown = false;
+  document.body.dataset.ptt = "up";
+  send({ type: "ptt", down: false });
+});
+
+window.addEventListener("blur", () => {
+  if (S.pttDown) { S.pttDown = false; document.body.dataset.ptt = "up"; send({ type: "ptt", down: false }); }
+});
+
+for (const id of ["#mode-hands-free", "#mode-ptt"]) {
+  $(id).addEventListener("click", (e) => saveSettings({ talk_mode: e.currentTarget.dataset.mode }));
+}
+
+$("#reset").addEventListener("click", () => send({ type: "reset" }));
+
+// ------------------------------------------------------------------ dropped files
+
+let dragDepth = 0;
+window.addEventListener("dragenter", (e) => { e.preventDefault(); dragDepth++; $("#drop-overlay").hidden = false; });
+window.addEventListener("dragleave", () => { if (--dragDepth <= 0) { dragDepth = 0; $("#drop-overlay").hidden = true; } });
+window.addEventListener("dragover", (e) => e.preventDefault());
+window.addEventListener("drop", (e) => {
+  e.preventDefault();
+  dragDepth = 0;
+  $("#drop-overlay").hidden = true;
+  const f = e.dataTransfer && e.dataTransfer.files[0];
+  if (f) askFile(f);
+});
+
+async function askFile(file) {
+  try {
+    const r = await fetch(BASE + "api/file", { method: "POST", body: file, headers: { "X-Filename": file.name.slice(0, 200) } });
+    const j = await r.json();
+    if (!r.ok) notice("error", j.error || `the file was refused (${r.status})`);
+    else notice("info", `Asking ${file.name} (${j.seconds} s of audio)…`);
+  } catch (err) {
+    notice("error", `the file could not be sent: ${err.message}`);
+  }
+}
+window.trAskFile = askFile; // tests hand a File to the same path a drop takes
+
+// ------------------------------------------------------------------ settings
+
+function applySettings(s) {
+  const prev = S.settings;
+  S.settings = s;
+  setTalkMode(s.talk_mode);
+  if (prev && prev.echo_cancellation !== s.echo_cancellation && S.hello && S.hello.audio === "browser" && S.micStream) restartMic();
+}
+
+function fillSelect(sel, values, current, emptyLabel) {
+  sel.textContent = "";
+  const opts = emptyLabel !== undefined ? ["", ...values] : values;
+  for (const v of opts) {
+    const o = document.createElement("option");
+    o.value = v;
+    o.textContent = v === "" ? emptyLabel : v;
+    sel.appendChild(o);
+  }
+  sel.value = current;
+}
+
+function openSettings() {
+  const s = S.settings;
+  if (!s) return;
+  $("#s-cloud").value = s.cloud;
+  $("#s-api-key").value = "";
+  $("#s-api-key").placeholder = s.api_key_set ? "•••••• stored (leave empty to keep)" : "(none)";
+  $("#s-cloud-fraction").value = s.cloud_fraction;
+  $("#s-cloud-fraction-out").textContent = `${Math.round(s.cloud_fraction * 100)}%`;
+  fillSelect($("#s-check"), S.choices.check || [s.check], s.check);
+  fillSelect($("#s-voice"), S.choices.voice || [s.voice], s.voice);
+  $("#s-pace").value = s.pace;
+  $("#s-pace-out").textContent = `${Number(s.pace).toFixed(2)}×`;
+  $("#s-barge-in").checked = s.barge_in;
+  $("#s-echo").checked = s.echo_cancellation;
+  if (S.devices) {
+    fillSelect($("#s-input-device"), S.devices.inputs, s.input_device, "system default");
+    fillSelect($("#s-output-device"), S.devices.outputs, s.output_device, "system default");
+  }
+  $("#settings-error").textContent = "";
+  $("#test-result").textContent = "";
+  document.querySelectorAll("#settings .bad").forEach((el) => el.classList.remove("bad"));
+  $("#settings").showModal();
+}
+
+function formChanges() {
+  const s = S.settings;
+  const c = {};
+  const cloud = $("#s-cloud").value.trim();
+  if (cloud !== s.cloud) c.cloud = cloud;
+  const key = $("#s-api-key").value;
+  if (key) c.api_key = key;
+  const frac = parseFloat($("#s-cloud-fraction").value);
+  if (Math.abs(frac - s.cloud_fraction) > 1e-9) c.cloud_fraction = frac;
+  if ($("#s-check").value !== s.check) c.check = $("#s-check").value;
+  if ($("#s-voice").value !== s.voice) c.voice = $("#s-voice").value;
+  const pace = parseFloat($("#s-pace").value);
+  if (Math.abs(pace - s.pace) > 1e-9) c.pace = pace;
+  if ($("#s-barge-in").checked !== s.barge_in) c.barge_in = $("#s-barge-in").checked;
+  if ($("#s-echo").checked !== s.echo_cancellation) c.echo_cancellation = $("#s-echo").checked;
+  if (S.devices) {
+    if ($("#s-input-device").value !== s.input_device) c.input_device = $("#s-input-device").value;
+    if ($("#s-output-device").value !== s.output_device) c.output_device = $("#s-output-device").value;
+  }
+  return c;
+}
+
+async function saveSettings(changes) {
+  if (!Object.keys(changes).length) return { ok: true };
+  try {
+    const r = await fetch(BASE + "api/settings", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(changes) });
+    const j = await r.json();
+    if (!r.ok) return { ok: false, error: j.error || `refused (${r.status})`, field: j.field };
+    applySettings(j.settings);
+    return { ok: true };
+  } catch (err) {
+    return { ok: false, error: `the settings could not be sent: ${err.message}` };
+  }
+}
+
+$("#open-settings").addEventListener("click", openSettings);
+$("#settings-cancel").addEventListener("click", () => $("#settings").close());
+$("#s-cloud-fraction").addEventListener("input", (e) => { $("#s-cloud-fraction-out").textContent = `${Math.round(e.target.value * 100)}%`; });
+$("#s-pace").addEventListener("input", (e) => { $("#s-pace-out").textContent = `${Number(e.target.value).toFixed(2)}×`; });
+$("#settings-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const btn = $("#settings-save");
+  btn.disabled = true;
+  $("#settings-error").textContent = "saving…";
+  const r = await saveSettings(formChanges());
+  btn.disabled = false;
+  if (!r.ok) {
+    $("#settings-error").textContent = r.error;
+    const field = r.field && document.querySelector(`#settings [name="${r.field}"]`);
+    if (field) field.classList.add("bad");
+    return;
+  }
+  $("#settings-error").textContent = "";
+  $("#settings").close();
+  notice("info", "Settings saved; they apply from the next answer.");
+});
+$("#test-cloud").addEventListener("click", async () => {
+  const out = $("#test-result");
+  out.dataset.ok = "";
+  out.textContent = "testing…";
+  try {
+    const body = { cloud: $("#s-cloud").value.trim() };
+    if ($("#s-api-key").value) body.api_key = $("#s-api-key").value;
+    const r = await fetch(BASE + "api/cloud-test", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+    const j = await r.json();
+    out.dataset.ok = j.ok ? "yes" : "no";
+    out.textContent = j.message;
+  } catch (err) {
+    out.dataset.ok = "no";
+    out.textContent = err.message;
+  }
+});
+$("#forget-key").addEventListener("click", async () => {
+  const r = await saveSettings({ api_key: "" });
+  $("#test-result").textContent = r.ok ? "key forgotten" : r.error;
+  if (r.ok) $("#s-api-key").placeholder = "(none)";
+});
+
+connect();

@@ -1,0 +1,282 @@
+"""The desktop app's latency against `file` mode: the same spoken queries, both arms side by side in one run.
+
+    python scripts/bench_app.py [--n 30] [--out build/app_bench.json] [--mic fake|pulse]
+
+Arm "file": `run_file_turn` at real-time pace (as scripts/bench_voice.py runs it). Arm "page": the app's page
+in a real headless Chromium (the app's server and pipeline in this process, with `first_audio_only`): the
+page captures the query (getUserMedia, echo cancellation, noise suppression and gain control on), streams it
+over the WebSocket to the same pipeline, plays the reply with WebAudio and reports when it played the first
+sample. Each turn stops once its first audio is out; arms alternate which goes first.
+
+The page's microphone (`--mic`): "fake" (default), Chromium's fake capture device playing the query after a
+2.5 s lead (a fresh browser per query; while the file arm runs, no browser runs); "pulse", a private
+PulseAudio fed with paplay (one browser for the run; its null-sink monitor delivers the audio in bursts,
+which the pipeline sees as capture jitter: a harness artefact), which also reports "played into the mic ->
+first audio" from paplay's start, the capture path included.
+
+Reported per arm: end of speech -> first audio as the pipeline measures it (p50/p95, the paired per-query
+difference), endpoint -> first audio, the stage p50s (and their paired differences), the WER; for the page,
+the frames' lateness (receipt minus estimated capture time), sent -> played (the server sending the first
+reply audio to the page reporting it played) and the browser's output latency. Queries: CLINC150 val
+(Larson et al. 2019, CC BY 3.0), every len/n-th, synthesised with the bundled Piper voice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_webapp_browser import chromium, pulse_env  # noqa: E402
+from voice_audio import speech_span, spoken_wav, virtual_devices, wer  # noqa: E402
+
+from edge_client.options import GeneratorOptions  # noqa: E402
+from edge_client.voice.cli import run_file_turn  # noqa: E402
+from edge_client.voice.pipeline import VoiceOptions  # noqa: E402
+from edge_client.voice.wavfile import read_wav, write_wav  # noqa: E402
+from edge_client.webapp.core import AppCore  # noqa: E402
+from edge_client.webapp.server import AppServer  # noqa: E402
+from edge_client.webapp.session import turn_json  # noqa: E402
+from edge_client.webapp.settings import SettingsStore  # noqa: E402
+
+DATA = Path("/work/shared/datasets/clinc150/data_full.json")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+def summary(rows: list[dict], key: str = "end_of_speech_to_first_audio_ms") -> dict:
+    e2a = [r[key] for r in rows if r.get(key) is not None]
+    ep = [r["endpoint_to_first_audio_ms"] for r in rows if r.get("endpoint_to_first_audio_ms") is not None]
+    stages = (
+        {
+            k: round(pct([r["timings_ms"][k] for r in rows if r["timings_ms"].get(k) is not None], 50), 1)
+            for k in rows[0]["timings_ms"]
+        }
+        if rows
+        else {}
+    )
+    return {
+        "n": len(e2a),
+        "eos_to_first_audio_ms": {"p50": round(pct(e2a, 50), 1), "p95": round(pct(e2a, 95), 1)},
+        "endpoint_to_first_audio_ms": {"p50": round(pct(ep, 50), 1), "p95": round(pct(ep, 95), 1)},
+        "stage_p50_ms_after_speech_end": stages,
+        "wer_mean": round(float(np.mean([r["wer"] for r in rows])), 3),
+    }
+
+
+def page_turn(
+    core: AppCore,
+    srv: AppServer,
+    d,
+    dev,
+    wav: Path,
+    eos_offset: float,
+    got: threading.Event,
+    done: list,
+    lead_wav: Path,
+    lead_s: float = 2.5,
+) -> dict | None:
+    """One query through the page: a fresh Chromium whose fake microphone plays the query after `lead_s`
+    (while it settles), or, with PulseAudio (`dev`), the open page reloaded and the query played with paplay."""
+    if dev is None:
+        x, rate = read_wav(wav)
+        write_wav(
+            lead_wav,
+            np.concatenate([np.zeros(int(lead_s * rate), np.float32), x, np.zeros(3 * rate, np.float32)]),
+            rate,
+        )
+        with chromium(srv.url, lead_wav) as page:
+            ok = got.wait(60)
+            out_latency = page.execute_script("return S.playCtx && S.playCtx.outputLatency") or 0
+            browser_play_ms = page.execute_script("return window.trStats.firstPlayDelayMs")
+            session = core.active
+        t_play = None
+    else:
+        d.get(srv.url)
+        t_end = time.monotonic() + 30
+        while not (core.active is not None and core.active.pipe is not None and core.active.mic.frames_in > 100):
+            if time.monotonic() > t_end:
+                raise RuntimeError("the page did not start")
+            time.sleep(0.05)
+        got.clear()
+        done.clear()
+        t_play = time.monotonic()
+        subprocess.run(["paplay", "--device=mic", "--latency-msec=10", str(wav)], env=dev.env, check=True, timeout=30)
+        ok = got.wait(30)
+        out_latency = d.execute_script("return S.playCtx.outputLatency") or 0
+        browser_play_ms = d.execute_script("return window.trStats.firstPlayDelayMs")
+        session = core.active
+        d.get("about:blank")
+    if not ok:
+        return None
+    t = done[0]
+    obj = turn_json(t, core)
+    obj["timings_ms"] = obj.pop("timings")
+    obj["end_of_speech_to_first_audio_ms"] = obj.pop("eos_to_first_audio_ms")
+    fa = t.timings.first_audio_out
+    obj["played_eos_to_first_audio_ms"] = (
+        None if fa is None or t_play is None else round((fa - t_play - eos_offset) * 1000, 1)
+    )
+    late = list(session.mic.lateness_ms) if session is not None and session.mic is not None else []
+    buf = session.sink.buffer if session is not None else None
+    obj["sent_to_played_ms"] = (
+        round((buf.first_out_t - buf.first_sent_t) * 1000, 1)
+        if buf is not None and buf.first_out_t and buf.first_sent_t
+        else None
+    )
+    obj["browser_chunk_to_played_ms"] = browser_play_ms
+    obj["frame_lateness_ms"] = {"p50": round(pct(late, 50), 1), "p95": round(pct(late, 95), 1)}
+    obj["output_latency_ms"] = round(1000 * out_latency, 1)
+    time.sleep(0.3)
+    return obj
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--out", default=str(ROOT / "build" / "app_bench.json"))
+    ap.add_argument(
+        "--lead", type=float, default=2.5, help="--mic fake: seconds of silence before the query (the browser settles)"
+    )
+    ap.add_argument(
+        "--mic",
+        choices=["fake", "pulse"],
+        default="fake",
+        help="the page's microphone: Chromium's fake capture device playing the query (a fresh browser per "
+        "query), or a private PulseAudio fed with paplay (one browser; its null-sink buffering adds latency)",
+    )
+    args = ap.parse_args()
+    val = json.load(open(args.data))["val"]
+    step = max(1, len(val) // args.n)
+    queries = [val[i * step][0] for i in range(args.n)]
+    tmp = Path(tempfile.mkdtemp(prefix="app-bench-"))
+    rows: dict[str, list[dict]] = {"file": [], "page": []}
+    with contextlib.ExitStack() as stack:
+        dev = stack.enter_context(virtual_devices()) if args.mic == "pulse" else None
+        env = pulse_env(dev) if dev is not None else None
+        core = AppCore(
+            GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0),
+            VoiceOptions(),
+            SettingsStore(tmp / "app.json"),
+            first_audio_only=True,
+        )
+        srv = AppServer(core, port=0)
+        srv.start()
+        stack.callback(core.close)
+        stack.callback(srv.stop)
+        core.load()
+        assert core.load_error is None, core.load_error
+        done: list = []
+        got = threading.Event()
+        core.turn_listeners.append(lambda t: (done.append(t), got.set()))
+        d = stack.enter_context(chromium("about:blank", env=env, fake_mic=False)) if dev is not None else None
+        for i, q in enumerate(queries):
+            wav = spoken_wav(core.engines.synth, q, tmp / f"q{i}.wav")
+            eos_offset = speech_span(*read_wav(wav))[1]
+            for arm in ("file", "page") if i % 2 == 0 else ("page", "file"):
+                if arm == "file":
+                    obj = run_file_turn(
+                        core.gen,
+                        str(wav),
+                        str(tmp / f"r{i}.wav"),
+                        VoiceOptions(),
+                        realtime=True,
+                        engines=core.engines,
+                        first_audio_only=True,
+                    )
+                else:
+                    core.dialogue.reset()
+                    got.clear()
+                    done.clear()
+                    obj = page_turn(core, srv, d, dev, wav, eos_offset, got, done, tmp / f"p{i}.wav", args.lead)
+                    if obj is None:
+                        raise RuntimeError(f"no turn for query {i}: {q!r}")
+                obj["wer"] = wer(q, obj["transcript"])
+                obj["query"] = q
+                rows[arm].append(obj)
+                extra = ""
+                if arm == "page":
+                    extra = (
+                        f"  (frame lateness p50/p95 {obj['frame_lateness_ms']['p50']}/{obj['frame_lateness_ms']['p95']} ms,"
+                        f" sent -> played {obj['sent_to_played_ms']} ms"
+                    )
+                    if obj.get("played_eos_to_first_audio_ms") is not None:
+                        extra += f", played into the mic -> audio {obj['played_eos_to_first_audio_ms']} ms"
+                    extra += ")"
+                print(
+                    f"{i:2d} {arm:4s} eos->audio {obj['end_of_speech_to_first_audio_ms']} ms{extra}"
+                    f"  wer {obj['wer']:.2f}  {obj['transcript']!r}",
+                    flush=True,
+                )
+    diffs = [
+        b["end_of_speech_to_first_audio_ms"] - a["end_of_speech_to_first_audio_ms"]
+        for a, b in zip(rows["file"], rows["page"])
+        if a["end_of_speech_to_first_audio_ms"] is not None and b["end_of_speech_to_first_audio_ms"] is not None
+    ]
+    page = summary(rows["page"])
+    if any(r.get("played_eos_to_first_audio_ms") is not None for r in rows["page"]):
+        page["played_into_mic_to_first_audio_ms"] = summary(rows["page"], "played_eos_to_first_audio_ms")[
+            "eos_to_first_audio_ms"
+        ]
+    stages = rows["file"][0]["timings_ms"].keys() if rows["file"] else []
+    page["paired_stage_minus_file_median_ms"] = {
+        k: round(
+            pct(
+                [
+                    b["timings_ms"][k] - a["timings_ms"][k]
+                    for a, b in zip(rows["file"], rows["page"])
+                    if a["timings_ms"].get(k) is not None and b["timings_ms"].get(k) is not None
+                ],
+                50,
+            ),
+            1,
+        )
+        for k in stages
+    }
+    page["frame_lateness_ms_p50"] = pct([r["frame_lateness_ms"]["p50"] for r in rows["page"]], 50)
+    page["frame_lateness_ms_p95"] = pct([r["frame_lateness_ms"]["p95"] for r in rows["page"]], 50)
+    page["sent_to_played_ms_p50"] = pct(
+        [r["sent_to_played_ms"] for r in rows["page"] if r["sent_to_played_ms"] is not None], 50
+    )
+    page["browser_chunk_to_played_ms_p50"] = pct(
+        [r["browser_chunk_to_played_ms"] for r in rows["page"] if r["browser_chunk_to_played_ms"] is not None], 50
+    )
+    page["output_latency_ms_p50"] = pct([r["output_latency_ms"] for r in rows["page"]], 50)
+    fp50, pp50 = summary(rows["file"])["eos_to_first_audio_ms"]["p50"], page["eos_to_first_audio_ms"]["p50"]
+    result = {
+        "command": " ".join(["python", "scripts/bench_app.py", *sys.argv[1:]]),
+        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
+        "file": summary(rows["file"]),
+        "page": page,
+        "page_minus_file_ms": {
+            "p50_difference": round(pp50 - fp50, 1),
+            "paired_median": round(pct(diffs, 50), 1),
+            "paired_mean": round(float(np.mean(diffs)), 1) if diffs else None,
+            "page_slower_pct": round(100 * float(np.mean(np.array(diffs) > 0)), 1) if diffs else None,
+        },
+        "goal_within_60ms": bool(pp50 - fp50 <= 60),
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""The desktop app in a real browser: Debian's Chromium, headless, driven by selenium, against the
+real app server with the real models and the loopback cloud server.
+
+Chromium's fake capture device plays a spoken WAV (made with the bundled Piper voice) as the
+microphone; the page captures it with getUserMedia, streams it to the voice pipeline over the
+WebSocket, and plays the reply with WebAudio, reporting its progress back. Assertions read the
+page (its DOM and `window.trStats`) and, for what the page cannot show, the server's state.
+
+If Chromium or its driver is missing, the tests are skipped only where setup could not have
+installed them (not root, or no apt-get); where it could, that is a failure.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from voice_audio import spoken_wav, wer
+
+from edge_client.options import GeneratorOptions
+from edge_client.voice.events import Interruption
+from edge_client.voice.pipeline import VoiceOptions
+from edge_client.voice.resample import resample
+from edge_client.voice.wavfile import write_wav
+from edge_client.webapp.core import AppCore
+from edge_client.webapp.server import AppServer
+from edge_client.webapp.settings import SettingsStore
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOT = ROOT / "docs" / "app.png"
+QUESTION = "Tell me about the history of Rome."
+CHAIN = ["speech_end", "asr_final", "llm_first_token", "first_clause_ready", "tts_first_audio", "first_audio_out"]
+LONG_ANSWERS = "You are a helpful voice assistant. Answer in detail, in many long sentences."
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+def need_browser() -> None:
+    """Skip only where setup could not install Chromium; elsewhere a missing browser is a failure."""
+    missing = [n for n, p in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER)) if p is None]
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        missing.append("selenium (pip)")
+    if not missing:
+        return
+    msg = f"{', '.join(missing)} not installed"
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        pytest.fail(f"{msg}, although setup can install it here: run scripts/setup.sh")
+    pytest.skip(
+        f"{msg}, and setup cannot install it here (needs root and apt-get): "
+        "sudo apt-get install -y chromium chromium-driver; pip install selenium"
+    )
+
+
+@contextlib.contextmanager
+def chromium(
+    url: str,
+    mic_wav: Path | None = None,
+    deny_mic: bool = False,
+    env: dict | None = None,
+    extra: tuple[str, ...] = (),
+    fake_mic: bool = True,
+) -> Iterator[Any]:
+    """A headless Chromium on `url` whose microphone plays `mic_wav` once (silence when None); with
+    `fake_mic=False` it uses the audio devices of the PulseAudio that `env` names (`pulse_env`)."""
+    need_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium look for a driver online
+    tmp = Path(tempfile.mkdtemp(prefix="tr-chromium-"))
+    if mic_wav is None:
+        mic_wav = tmp / "silence.wav"
+        write_wav(mic_wav, np.zeros(16000 * 60, np.float32), 16000)
+    o = webdriver.ChromeOptions()
+    o.binary_location = CHROMIUM
+    args = [
+        "--headless=new",
+        "--disable-gpu",
+        "--window-size=1280,860",
+        f"--user-data-dir={tmp / 'profile'}",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-sync",
+        "--use-fake-ui-for-media-stream=deny" if deny_mic else "--use-fake-ui-for-media-stream",
+        *extra,
+    ]
+    if fake_mic:
+        args += ["--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={mic_wav}%noloop"]
+    if os.geteuid() == 0:
+        args.append("--no-sandbox")  # Chromium's sandbox refuses to run as root
+    for a in args:
+        o.add_argument(a)
+    o.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = Service(CHROMEDRIVER, env=env) if env else Service(CHROMEDRIVER)
+    d = webdriver.Chrome(options=o, service=service)
+    try:
+        d.get(url)
+        yield d
+    finally:
+        d.quit()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pulse_env(dev: Any, room: bool = False) -> dict:
+    """Make a private PulseAudio (voice_audio.virtual_devices) Chromium's audio: its microphone is the
+    "mic" sink's monitor (remapped: Chromium lists no monitor sources), its output the "speaker" sink, or
+    with `room` a "room" sink whose sound also reaches the microphone, as open speakers do."""
+    dev.pactl("load-module", "module-remap-source", "source_name=trmic", "master=mic.monitor", "channels=1")
+    dev.pactl("set-default-source", "trmic")
+    if room:
+        dev.pactl("load-module", "module-null-sink", "sink_name=room", "rate=48000", "channels=1")
+        dev.pactl("load-module", "module-loopback", "source=room.monitor", "sink=mic", "latency_msec=30")
+    dev.pactl("set-default-sink", "room" if room else "speaker")
+    return dict(dev.env, PULSE_SERVER=f"unix:{dev.env['XDG_RUNTIME_DIR']}/pulse/native")
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, d: Any = None) -> Any:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    page = d.execute_script("return document.body.innerText") if d is not None else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; page:\n{page}")
+
+
+def stats(d: Any) -> dict:
+    return d.execute_script("return window.trStats")
+
+
+def texts(d: Any, css: str) -> list[str]:
+    return d.execute_script(f"return [...document.querySelectorAll({css!r})].map(e => e.textContent)")
+
+
+def notices(d: Any) -> list[str]:
+    return texts(d, "#notices .notice span")
+
+
+def attr(d: Any, css: str, name: str) -> str | None:
+    return d.execute_script(f"const e = document.querySelector({css!r}); return e && e.getAttribute({name!r})")
+
+
+def ask_file(d: Any, path: Path, name: str | None = None) -> None:
+    """Hand a file to the page's drop handler (the path a dropped file takes)."""
+    b64 = base64.b64encode(path.read_bytes()).decode()
+    d.execute_script(
+        "const b = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));"
+        "window.trAskFile(new File([b], arguments[1]));",
+        b64,
+        name or path.name,
+    )
+
+
+def ready(d: Any, core: AppCore) -> Any:
+    """The page is connected, its audio running (after a click on "Start talking" where the browser
+    wants one before it plays sound) and the pipeline listening."""
+
+    def started() -> bool:
+        if d.execute_script("return !document.querySelector('#start-overlay').hidden"):
+            d.find_element("id", "start").click()
+        return core.active is not None and core.active.pipe is not None
+
+    wait_for(started, 30, "the pipeline to start", d)
+    return core.active
+
+
+def turns_done(core: AppCore, n: int) -> Callable[[], bool]:
+    return lambda: core.active is not None and len(core.active.turns) >= n
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """The app's core, loaded once (models, loopback cloud), served on loopback like `tokenrouter-edge app`."""
+    need_browser()
+    cfg = tmp_path_factory.mktemp("cfg") / "app.json"
+    core = AppCore(
+        GeneratorOptions(cloud="local", max_tokens=96, seed=0),
+        VoiceOptions(),
+        SettingsStore(cfg),
+        overrides={"cloud_fraction": 0.5},
+    )
+    srv = AppServer(core, port=0)
+    srv.start()
+    core.load()
+    assert core.load_error is None, core.load_error
+    yield core, srv
+    srv.stop()
+    core.close()
+
+
+@pytest.fixture()
+def long_answers(app):
+    core, _ = app
+    dlg = core.dialogue
+    saved = dlg.opts.system_prompt
+    dlg.opts.system_prompt = LONG_ANSWERS
+    dlg.reset()
+    yield
+    dlg.opts.system_prompt = saved
+
+
+@pytest.fixture(autouse=True)
+def fresh_dialogue(app):
+    core, _ = app
+    core.dialogue.reset()
+    yield
+    core.apply({"cloud": "local", "check": "after-first-clause", "cloud_fraction": 0.5, "talk_mode": "hands-free"})
+
+
+def test_spoken_question_answered_in_the_page(app, tmp_path):
+    """Speech in through the page's microphone; the transcript, the routed answer with cloud tokens marked,
+    the reply audio played by the page, the waterfall and the history all shown; a screenshot for docs/."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, QUESTION, tmp_path / "q.wav", lead_s=1.0, tail_s=4.0)
+    with chromium(srv.url, q) as d:
+        ready(d, core)
+        wait_for(turns_done(core, 1), 60, "the turn", d)
+        done = core.active.turns[0]
+        a = done.answer
+        wait_for(lambda: attr(d, "#answer-state", "data-state"), 10, "the turn on the page", d)
+        assert wer(QUESTION, texts(d, ".turn .user .text")[0]) <= 0.2
+        assert texts(d, ".turn .answer")[0] == a.text and a.text.strip()
+        # cloud-written tokens marked, each with its router score (or the cloud's guess) on hover
+        cloud = texts(d, ".turn .answer .tok.cloud")
+        assert a.n_cloud_tokens > 0 and len(cloud) == a.n_cloud_tokens
+        titles = d.execute_script("return [...document.querySelectorAll('.turn .answer .tok')].map(e => e.title)")
+        assert all("router score" in t or "no router score" in t for t in titles) and len(titles) == a.n_tokens
+        assert len(texts(d, ".turn .tok.lookahead")) == sum(1 for i in a.lookahead_positions if a.routes[i] == "cloud")
+        assert len(texts(d, ".turn .tok.overruled")) == len(a.overruled_positions)
+        # the reply reached the page as audio, and was played (not silence)
+        st = wait_for(lambda: (s := stats(d))["played"] >= s["received"] > 0 and s, 10, "the reply to play", d)
+        assert st["received"] >= 0.5 * core.engines.synth.rate and st["rms"] > 0.01 and st["peak"] > 0.1
+        assert core.active.sink.buffer.played == st["received"]  # the server's "played" is the page's report
+        # the waterfall, stage by stage, after the end of speech
+        ms = {s: attr(d, f'#waterfall .stage[data-stage="{s}"]', "data-ms") for s in CHAIN + ["endpoint_decided"]}
+        assert all(v not in (None, "") for v in ms.values()), ms
+        chain = [float(ms[s]) for s in CHAIN]
+        assert chain == sorted(chain) and float(ms["first_audio_out"]) >= float(ms["endpoint_decided"])
+        assert attr(d, "#cloud-badge", "data-state") == "connected"
+        assert int(texts(d, "#round-trips")[0]) == a.round_trips > 0
+        assert texts(d, "#memory .msg") == [done.transcript, done.spoken_text]
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        d.save_screenshot(str(SCREENSHOT))
+
+
+def test_barge_in_stops_the_reply_and_keeps_what_was_played(app, long_answers, tmp_path):
+    """A second question while the reply plays (open speakers are fine: the browser cancels the echo):
+    the reply pauses within the barge-in time, stops, and the history keeps only what the page played."""
+    core, srv = app
+    synth = core.engines.synth
+    q1 = resample(synth.synthesize("Tell me a long story about a dragon and a knight."), synth.rate, 16000)
+    q2 = resample(synth.synthesize("What time is it right now?"), synth.rate, 16000)
+    z = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
+    wav = tmp_path / "two.wav"
+    write_wav(wav, np.concatenate([z(1.0), 0.8 * q1, z(5.0), 0.8 * q2, z(4.0)]), 16000)
+    with chromium(srv.url, wav) as d:
+        s = ready(d, core)
+        wait_for(turns_done(core, 2), 90, "two turns", d)
+        first, second = s.turns[:2]
+        assert first.interrupted and not second.interrupted
+        intr = next(e for e in s.pipe.events if isinstance(e, Interruption)) if s.pipe else None
+        assert intr is not None and intr.t_stopped - intr.t_onset <= core.vopts.barge_in_min_ms / 1000
+        full = first.answer.text
+        assert first.spoken_text and len(first.spoken_text) < len(full)
+        wait_for(lambda: len(texts(d, "#memory .msg")) >= 4, 10, "the history on the page", d)
+        memory = texts(d, "#memory .msg")
+        assert memory[1] == first.spoken_text == core.dialogue.turns[1]["content"]
+        assert "kept in history" in texts(d, ".turn .kept")[0] and texts(d, ".turn:first-child .tok.unplayed")
+        assert "time" in second.transcript.lower()
+        assert d.execute_script("return document.querySelector('.turn').classList.contains('interrupted')")
+
+
+def test_refused_microphone_is_explained_and_a_dropped_file_still_works(app, tmp_path):
+    core, srv = app
+    src = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q16.wav")
+    ext = tmp_path / "question.wav"  # what people have: a sox-made 24-bit WAV, extensible header
+    subprocess.run(["sox", str(src), "-b", "24", "-r", "44100", str(ext)], check=True)
+    assert ext.read_bytes()[20:22] == b"\xfe\xff"
+    with chromium(srv.url, deny_mic=True) as d:
+        ready(d, core)
+        wait_for(lambda: any("refused" in n for n in notices(d)), 10, "the refused-microphone notice", d)
+        assert texts(d, "#mic-badge") == ["mic: refused"]
+        bad = tmp_path / "notes.wav"
+        bad.write_text("not audio at all\n" * 20)
+        ask_file(d, bad)
+        wait_for(lambda: any("not a readable audio file" in n for n in notices(d)), 10, "the bad file's error", d)
+        ask_file(d, ext)
+        wait_for(turns_done(core, 1), 60, "the turn from the dropped file", d)
+        wait_for(lambda: texts(d, ".turn .answer"), 10, "the answer on the page", d)
+        assert texts(d, ".turn .answer")[0] == core.active.turns[0].answer.text != ""
+        assert wer("what is the capital city of france", texts(d, ".turn .user .text")[0]) <= 0.2
+
+
+def test_settings_on_the_page_bad_values_and_a_cloud_that_is_down(app, tmp_path):
+    """Settings from the dialog apply to the next answer; bad ones are refused there with the reason; a
+    dead cloud fails its connection test, and answers still come (from the device), marked as such."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q.wav")
+    with chromium(srv.url) as d:
+        ready(d, core)
+
+        def open_settings() -> None:
+            d.find_element("id", "open-settings").click()
+            wait_for(lambda: d.execute_script("return document.querySelector('#settings').open"), 5, "the dialog", d)
+
+        def set_value(css: str, value: Any) -> None:
+            d.execute_script(
+                "const e = document.querySelector(arguments[0]); e.value = arguments[1];"
+                "e.dispatchEvent(new Event('input'))",
+                css,
+                value,
+            )
+
+        open_settings()
+        set_value("#s-cloud-fraction", "0.8")
+        set_value("#s-check", "all")
+        d.find_element("id", "settings-save").click()
+        wait_for(lambda: any("Settings saved" in n for n in notices(d)), 10, "the save", d)
+        assert core.gen.opts.check == "all" and core.gen.policy.config.cloud_fraction == 0.8
+        assert core.store.load().cloud_fraction == 0.8  # kept in the settings file
+        # a bad cloud address: refused in the dialog, naming the problem; nothing changes
+        open_settings()
+        d.find_element("id", "s-cloud").clear()
+        d.find_element("id", "s-cloud").send_keys("http://example.com/route")
+        d.find_element("id", "settings-save").click()
+        wait_for(lambda: "ws://" in texts(d, "#settings-error")[0], 10, "the error", d)
+        assert "bad" in attr(d, "#s-cloud", "class") and core.settings.cloud == "local"
+        # a cloud that is not there: the connection test says so
+        d.find_element("id", "s-cloud").clear()
+        d.find_element("id", "s-cloud").send_keys("ws://127.0.0.1:9/v1/route")
+        d.find_element("id", "test-cloud").click()
+        wait_for(lambda: attr(d, "#test-result", "data-ok") == "no", 20, "the connection test", d)
+        assert "cannot reach" in texts(d, "#test-result")[0]
+        d.find_element("id", "settings-save").click()
+        wait_for(lambda: core.settings.cloud == "ws://127.0.0.1:9/v1/route", 10, "the new cloud", d)
+        # the next answer comes from the device alone, and the page says why
+        ask_file(d, q)
+        wait_for(turns_done(core, 1), 60, "the turn", d)
+        a = core.active.turns[0].answer
+        assert a.degraded and a.text.strip() and a.n_cloud_tokens == 0
+        wait_for(lambda: attr(d, "#answer-state", "data-state") == "degraded", 10, "the degraded badge", d)
+        assert attr(d, "#cloud-badge", "data-state") == "offline"
+        assert any("could not be reached" in n and "device answered alone" in n for n in notices(d))
+        assert texts(d, ".turn .answer")[0] == a.text
+
+
+def test_cloud_lost_mid_answer(app, long_answers, tmp_path):
+    from cloud_server.local import LocalCloudServer
+
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    with LocalCloudServer(model=core.gen_opts.cloud_model) as cloud:
+        core.apply({"cloud": cloud.url, "api_key": cloud.api_key})
+        with chromium(srv.url) as d:
+            ready(d, core)
+            ask_file(d, q)
+            wait_for(lambda: len(texts(d, ".turn .answer .tok")) >= 3, 60, "the answer to start", d)
+            cloud.kill()
+            wait_for(turns_done(core, 1), 90, "the turn", d)
+            a = core.active.turns[0].answer
+            assert a.degraded and a.n_tokens > 10
+            wait_for(lambda: any("lost during this answer" in n for n in notices(d)), 10, "the notice", d)
+            assert attr(d, "#answer-state", "data-state") == "degraded"
+            assert texts(d, ".turn .answer")[0] == a.text
+
+
+def test_second_tab_takes_over_and_closing_the_tab_frees_the_pipeline(app, long_answers, tmp_path):
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    with chromium(srv.url) as d:
+        first = ready(d, core)
+        tab_a = d.current_window_handle
+        d.switch_to.new_window("tab")
+        d.get(srv.url)
+        second = wait_for(
+            lambda: core.active is not first and core.active is not None and core.active.pipe and core.active,
+            30,
+            "the second tab to take over",
+            d,
+        )
+        assert first.closed and first.pipe is None  # the first tab's pipeline was stopped
+        d.switch_to.window(tab_a)
+        wait_for(lambda: "another tab" in d.find_element("id", "banner").text, 10, "the taken-over banner", d)
+        d.find_element("css selector", "#banner button").click()  # "Use it here": takes it back
+        third = wait_for(
+            lambda: core.active is not second and core.active is not None and core.active.pipe and core.active,
+            30,
+            "the first tab to take it back",
+            d,
+        )
+        assert second.closed
+        # closing the tab in the middle of an answer stops the turn and frees the pipeline
+        ask_file(d, q)
+        wait_for(lambda: len(texts(d, ".turn .answer .tok")) >= 3, 60, "the answer to start", d)
+        thread = third._thread
+        d.close()
+        wait_for(lambda: core.active is None and not thread.is_alive(), 20, "the pipeline to stop")
+        assert core.gen._lock.acquire(timeout=5), "generation did not stop"
+        core.gen._lock.release()
+        assert not third.turns or third.turns[-1].interrupted or third.turns[-1].answer.interrupted
+
+
+def test_push_to_talk_with_the_space_bar(app):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    core, srv = app
+    with chromium(srv.url) as d:
+        s = ready(d, core)
+        d.find_element("id", "mode-ptt").click()
+        wait_for(lambda: s.gate.push_to_talk, 10, "push-to-talk", d)
+        assert core.store.load().talk_mode == "push-to-talk"
+        assert not s.gate.talking
+        ActionChains(d).key_down(Keys.SPACE).perform()
+        wait_for(lambda: s.gate.talking, 5, "the key to open the microphone", d)
+        ActionChains(d).key_up(Keys.SPACE).perform()
+        wait_for(lambda: not s.gate.talking, 5, "the key to close it", d)
+        d.find_element("id", "mode-hands-free").click()
+        wait_for(lambda: not s.gate.push_to_talk, 10, "hands-free", d)
+
+
+def test_echo_cancellation_on_open_speakers(app, long_answers, tmp_path):
+    """Open speakers for real: Chromium's microphone (a PulseAudio source) hears the question and, through a
+    loopback, everything the page plays. With the browser's echo cancellation on (the default) the reply is
+    not taken for the person speaking: no false barge-in. With it off, the reply interrupts itself."""
+    from voice_audio import virtual_devices
+
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    rate = core.engines.synth.rate
+    outcome: dict[bool, tuple[int, int, float]] = {}
+    with virtual_devices() as dev:
+        env = pulse_env(dev, room=True)
+        with chromium(srv.url, env=env, fake_mic=False) as d:
+            for aec in (True, False):
+                core.apply({"echo_cancellation": aec})
+                d.get(srv.url)
+                s = ready(d, core)
+                wait_for(lambda: s.mic.frames_in > 25, 10, "the microphone", d)
+                assert d.execute_script("return S.micStream.getAudioTracks()[0].getSettings().echoCancellation") is aec
+                core.dialogue.reset()
+                subprocess.run(["paplay", "--device=mic", str(q)], env=dev.env, check=True, timeout=30)
+                # the reply plays 8 s (or ends, or is cut off by its own echo)
+                wait_for(lambda: s.turns or stats(d)["played"] >= 8 * rate, 90, "the reply to play", d)
+                time.sleep(0.5)
+                events = list(s.pipe.events) if s.pipe else []
+                n_intr = sum(isinstance(e, Interruption) for e in events)
+                n_onsets = sum(type(e).__name__ == "SpeechStarted" for e in events) - 1  # minus the question
+                outcome[aec] = (n_intr, n_onsets, stats(d)["played"] / rate)
+                print(
+                    f"echo cancellation {'on' if aec else 'off'}: {n_intr} interruptions, {n_onsets} speech onsets "
+                    f"while replying, {outcome[aec][2]:.1f} s of reply played"
+                )
+    assert outcome[True][0] == 0 and outcome[True][2] >= 8.0, outcome  # on: the reply plays on, undisturbed
+    assert outcome[False][0] >= 1, outcome  # off: it hears itself and stops
+
+
+def test_device_audio_mode_uses_the_machines_devices(app, tmp_path):
+    """`--audio device`: sounddevice on this machine's microphone and speaker (PulseAudio virtual devices
+    here, chosen in the settings); the page only shows the turn, and offers the devices."""
+    from voice_audio import heard_as, virtual_devices
+
+    from edge_client.voice.audio_io import Speaker
+
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q.wav")
+    with virtual_devices() as dev:
+        core.audio = "device"
+        try:
+            core.apply({"input_device": "tr_mic", "output_device": "tr_speaker"})
+            with chromium(srv.url) as d:
+                s = ready(d, core)
+                assert (
+                    isinstance(s.sink, Speaker)
+                    and d.execute_script("return document.body.dataset.audioMode") == "device"
+                )
+                with dev.record_speaker() as rec:
+                    dev.play_into_mic(q).wait(timeout=20)
+                    wait_for(turns_done(core, 1), 60, "the turn", d)
+                a = s.turns[0].answer
+                wait_for(lambda: texts(d, ".turn .answer"), 10, "the answer on the page", d)
+                assert texts(d, ".turn .answer")[0] == a.text and stats(d)["received"] == 0  # no audio to the page
+                assert heard_as(a.text, core.engines.transcriber.transcribe(rec["audio"])) >= 0.6
+                d.find_element("id", "open-settings").click()
+                assert any("tr_mic" in o for o in texts(d, "#s-input-device option"))
+        finally:
+            core.audio = "browser"
+            core.apply({"input_device": "", "output_device": ""})
+
+
+def test_the_command_serves_the_page_and_quits_on_ctrl_c(tmp_path):
+    """`tokenrouter-edge app` as a person runs it: the printed address serves the page, the socket says hello
+    once the models are loaded, Ctrl-C ends it; nothing given on the command line is saved."""
+    import json
+    import re
+    import signal
+    import sys
+    import urllib.request
+
+    from websockets.sync.client import connect
+
+    cfg = tmp_path / "app.json"
+    cmd = [sys.executable, "-m", "edge_client.cli", "app", "--no-browser", "--port", "0", "--config", str(cfg)]
+    p = subprocess.Popen(
+        [*cmd, "--cloud", "none"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+/\S+/", p.stdout.readline()).group(0)
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200 and b"TokenRouter" in r.read()
+        origin = url.split("/", 3)[:3]
+        with connect(url.replace("http://", "ws://") + "ws", origin="/".join(origin), open_timeout=10) as ws:
+            while (m := json.loads(ws.recv(timeout=120)))["type"] != "hello":
+                assert m["type"] == "loading", m
+        assert m["cloud"]["state"] == "device-only" and m["audio"] == "browser"
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not cfg.exists()
