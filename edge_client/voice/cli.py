@@ -21,7 +21,7 @@ from edge_client.options_cli import add_generation_options, options_from_args
 from .app import run_app
 from .assets import MissingModelError
 from .audio_io import DeviceError, FileSink, FileSource, list_devices
-from .endofturn import TurnOptions, smart_turn_path
+from .endofturn import TurnDecision, TurnOptions, smart_turn_path
 from .options_cli import add_voice_options, voice_options_from_args
 from .pipeline import Engines, NoSpeechError, VoicePipeline
 from .wavfile import AudioFileError
@@ -143,8 +143,6 @@ def latency_table(obj: dict) -> str:
 
 def turn_summary(obj: dict) -> str:
     """One line: how the end of the turn was decided and whether the drafted reply was used."""
-    from .endofturn import TurnDecision
-
     return TurnDecision(**obj["end_of_turn"]).summary() + f"; draft: {obj['draft']} ({obj.get('drafts', 0)} drafted)"
 
 
