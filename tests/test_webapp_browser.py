@@ -27,7 +27,7 @@ import pytest
 from voice_audio import spoken_wav, wer
 
 from edge_client.options import GeneratorOptions
-from edge_client.voice.events import Interruption
+from edge_client.voice.events import Interruption, ReplyHeld
 from edge_client.voice.pipeline import VoiceOptions
 from edge_client.voice.resample import resample
 from edge_client.voice.wavfile import write_wav
@@ -435,7 +435,8 @@ def test_push_to_talk_with_the_space_bar(app):
 def test_echo_cancellation_on_open_speakers(app, long_answers, tmp_path):
     """Open speakers for real: Chromium's microphone (a PulseAudio source) hears the question and, through a
     loopback, everything the page plays. With the browser's echo cancellation on (the default) the reply is
-    not taken for the person speaking: no false barge-in. With it off, the reply interrupts itself."""
+    not taken for the person speaking: it plays on, never held or interrupted. With it off, the reply hears
+    itself: each echo burst holds playback (ReplyHeld) until it proves a false start, or interrupts it."""
     from voice_audio import virtual_devices
 
     core, srv = app
@@ -458,14 +459,15 @@ def test_echo_cancellation_on_open_speakers(app, long_answers, tmp_path):
                 time.sleep(0.5)
                 events = list(s.pipe.events) if s.pipe else []
                 n_intr = sum(isinstance(e, Interruption) for e in events)
-                n_onsets = sum(type(e).__name__ == "SpeechStarted" for e in events) - 1  # minus the question
-                outcome[aec] = (n_intr, n_onsets, stats(d)["played"] / rate)
+                n_held = sum(isinstance(e, ReplyHeld) and e.held for e in events)
+                outcome[aec] = (n_intr, n_held, stats(d)["played"] / rate)
                 print(
-                    f"echo cancellation {'on' if aec else 'off'}: {n_intr} interruptions, {n_onsets} speech onsets "
-                    f"while replying, {outcome[aec][2]:.1f} s of reply played"
+                    f"echo cancellation {'on' if aec else 'off'}: {n_intr} interruptions, reply held {n_held} times, "
+                    f"{outcome[aec][2]:.1f} s of reply played"
                 )
-    assert outcome[True][0] == 0 and outcome[True][2] >= 8.0, outcome  # on: the reply plays on, undisturbed
-    assert outcome[False][0] >= 1, outcome  # off: it hears itself and stops
+    (on_intr, on_held, on_played), (off_intr, off_held, _) = outcome[True], outcome[False]
+    assert on_intr == 0 and on_played >= 8.0 and on_held <= 1, outcome  # on: the reply plays on, undisturbed
+    assert off_intr >= 1 or off_held >= 5, outcome  # off: it hears itself and stops, or stutters
 
 
 def test_device_audio_mode_uses_the_machines_devices(app, tmp_path):

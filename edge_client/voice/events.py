@@ -47,6 +47,16 @@ class AnswerToken:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplyHeld:
+    """Speech-like sound while the reply plays: playback paused (`held`) until it proves to be speech (then an
+    Interruption follows) or a false start (`held=False`: playback resumes). Without echo cancellation on open
+    speakers the reply's own echo does this over and over: the reply stutters."""
+
+    t: float
+    held: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Interruption:
     """Barge-in: playback and generation stopped; `heard` is what the person actually heard."""
 
@@ -84,6 +94,7 @@ Event = (
     | TurnJudged
     | FinalTranscript
     | AnswerToken
+    | ReplyHeld
     | Interruption
     | TurnDone
     | Notice

@@ -65,6 +65,7 @@ from .events import (
     Listening,
     Notice,
     PartialTranscript,
+    ReplyHeld,
     SpeechStarted,
     TurnDone,
     TurnJudged,
@@ -514,11 +515,13 @@ class VoicePipeline:
             if self._playing is not None and self.opts.pause_on_onset:
                 self.sink.buffer.paused = True
                 self._pause_t = time.monotonic()
+                self.emit(ReplyHeld(ep.onset_t, held=True))
         elif ev is Ev.FALSE_START:
             self._utt = None
             if self._pause_t is not None:
                 self.sink.buffer.paused = False
                 self._pause_t = None
+                self.emit(ReplyHeld(t, held=False))
         elif ev is Ev.START:
             self._utt_id += 1
             self.agreement.reset()
