@@ -22,6 +22,8 @@ class TokenEvent:
     text: str  # the token's text; multi-byte characters complete on a later token
     route: Route  # which model wrote it
     score: float | None  # router score at this position (None when not computed)
+    lookahead: bool = False  # the cloud's lookahead guess decided this position (taken, or near enough to keep)
+    overruled: bool = False  # the cloud's check replaced the device's unflagged token here
 
 
 @dataclass(slots=True)

@@ -82,14 +82,27 @@ class RoutedGenerator:
         self._lock = threading.Lock()
 
     def reconfigure(self, **changes: object) -> None:
-        """Change options for the next answer (e.g. check="all"); refused, naming the option,
-        when the result is not valid. The router, policy and cloud session stay."""
+        """Change options for the next answer (e.g. check="all", cloud_fraction=0.3); refused, naming the
+        option, when the result is not valid. Waits for an answer in progress to finish. The router and
+        cloud session stay; the policy is rebuilt (from the router's prior, as at start-up) when its own
+        settings change, since a policy calibrates its threshold to one cloud fraction."""
         opts = replace(self.opts, **changes)  # type: ignore[arg-type]
         opts.validate()
+        policy = None
+        if opts.policy_config() != self.opts.policy_config():
+            policy = RoutingPolicy(opts.policy_config(), prior=getattr(self.router, "threshold_for", None))
         with self._lock:
+            if policy is not None:
+                self.policy = policy
             self.opts = opts
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
             self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
+
+    def reconnect_next(self) -> None:
+        """Drop the cloud link after the answer in progress (if any): the next answer connects anew,
+        through `connect`, e.g. to a cloud URL or key the person just changed."""
+        with self._lock:
+            self.cloud.retire()
 
     @property
     def link(self) -> CloudLink | None:

@@ -81,10 +81,12 @@ class Turn:
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
         return score, hard
 
-    def write(self, token: int, route: Route, score: float | None, fallback: bool = False) -> None:
+    def write(
+        self, token: int, route: Route, score: float | None, fallback: bool = False, lookahead: bool = False
+    ) -> None:
         """Append a final token to the device's history and release it."""
         self.decoder.append(token)
-        self.out.release(token, route, score, fallback)
+        self.out.release(token, route, score, fallback, lookahead=lookahead)
 
     def settle(self, start: int, drafts: list[int], accepted: int, token: int) -> None:
         """Apply a verdict to drafts the device's history holds from `start`: keep the first
@@ -118,14 +120,14 @@ class PerToken:
         step = rule.step(flagged, guess, proposed)
         token, route, answered = proposed, "edge", False
         if guess is not None:
-            turn.answer.lookahead_positions.append(len(turn.answer.tokens))
             if step is Step.GUESS_TAKE:
                 token, route = guess.token, "cloud"
         elif step is Step.ASK and cloud.up:
             got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead)
             if got is not None:
                 token, route, answered = got.token, "cloud", True
-        turn.write(token, route, score, fallback=step is Step.ASK and not answered and cloud.configured)
+        fallback = step is Step.ASK and not answered and cloud.configured
+        turn.write(token, route, score, fallback, lookahead=guess is not None)
         rule.written(token, cloud_answered=answered)
         turn.sync_eagerly()
 
@@ -188,9 +190,7 @@ class ClauseCheck:
             release(token, "cloud" if flag else "edge", score)
         overruled = verdict.token >= 0 and at < len(drafts) and not flagged[at]
         if verdict.token >= 0:
-            if overruled:
-                turn.answer.overruled_positions.append(len(turn.answer.tokens))
-            release(verdict.token, "cloud", scores[at] if at < len(drafts) else None)
+            release(verdict.token, "cloud", scores[at] if at < len(drafts) else None, overruled=overruled)
         turn.policy.share_taken_elsewhere(turn.overruled.add(at + (verdict.token >= 0), overruled))
 
 

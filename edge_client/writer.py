@@ -38,8 +38,17 @@ class AnswerWriter:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._log = RoutingLog(edge_model=answer.edge_model, cloud_model=answer.cloud_model, start_position=prompt_len)
 
-    def release(self, token: int, route: Route, score: float | None, fallback: bool = False) -> None:
-        """Record one final token and tell the listener."""
+    def release(
+        self,
+        token: int,
+        route: Route,
+        score: float | None,
+        fallback: bool = False,
+        lookahead: bool = False,
+        overruled: bool = False,
+    ) -> None:
+        """Record one final token and tell the listener. `fallback`: the cloud was asked but the device
+        wrote it; `lookahead`: the cloud's guess decided it; `overruled`: the cloud's check replaced it."""
         now = time.perf_counter()
         self._gaps_ms.append((now - self._t_last) * 1000.0)
         self._t_last = now
@@ -50,9 +59,14 @@ class AnswerWriter:
         a.tokens.append(token)
         a.routes.append(route)
         a.scores.append(score)
+        i = len(a.tokens) - 1
+        if lookahead:
+            a.lookahead_positions.append(i)
+        if overruled:
+            a.overruled_positions.append(i)
         self._log.append(route, score, token, fallback)
         if self.on_token is not None:
-            self.on_token(TokenEvent(len(a.tokens) - 1, token, text, route, score))
+            self.on_token(TokenEvent(i, token, text, route, score, lookahead, overruled))
 
     def finish(self, stopped: bool, router_ms: list[float]) -> Answer:
         """Close the record: finish reason, text, latency figures, routing log."""

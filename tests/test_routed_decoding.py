@@ -126,9 +126,11 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(
     try:
         taken = kept = 0
         for q in QUESTIONS:
-            a = gen.generate(chat(q), max_tokens=MAX_TOKENS)
+            heard: list = []
+            a = gen.generate(chat(q), max_tokens=MAX_TOKENS, on_token=heard.append)
             assert not a.degraded
             guessed_at = set(a.lookahead_positions)
+            assert [e.index for e in heard if e.lookahead] == a.lookahead_positions, "the listener sees each guess"
             expected = {i for i in range(1, a.n_tokens) if a.routes[i - 1] == "cloud" and i - 1 not in guessed_at}
             assert guessed_at == expected, "a guess comes exactly after each round-trip cloud token"
             assert guessed_at == {i for i, s in enumerate(a.scores) if s is None}, (
@@ -286,8 +288,11 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
     try:
         kept_lenient = overruled = flagged = 0
         for q in QUESTIONS:
-            a = gen.generate(chat(q), max_tokens=32)
+            heard: list = []
+            a = gen.generate(chat(q), max_tokens=32, on_token=heard.append)
             assert not a.degraded
+            assert [e.index for e in heard if e.overruled] == a.overruled_positions, "the listener sees each overrule"
+            assert [e.index for e in heard if e.lookahead] == a.lookahead_positions
             start = _check_start(edge_model, a.tokens, mode)
             assert all(i < start for i in a.lookahead_positions) and all(i >= start for i in a.overruled_positions)
             cloud = teacher_forced_logits(cloud_info, chat(q), a.tokens)
@@ -349,6 +354,25 @@ def test_check_refuses_settings_it_cannot_use(edge_model):
             make_generator(edge_model, None, check="all", check_nats=nats)
     with pytest.raises(ValueError, match="check must be one of"):
         make_generator(edge_model, None, check="yes")
+
+
+def test_reconfigure_rebuilds_the_policy_only_when_its_settings_change(edge_model, cloud_server):
+    """A new cloud fraction needs a new policy (calibrated from the router's prior); a new check mode keeps
+    the policy and its running state. The next answer routes by the new fraction."""
+    gen = make_generator(edge_model, cloud_server, router=HeuristicRouter("entropy", edge_model.n_vocab))
+    try:
+        kept = gen.policy
+        gen.reconfigure(check="all")
+        assert gen.policy is kept and gen.opts.check == "all"
+        gen.reconfigure(check="off", cloud_fraction=1.0)
+        assert gen.policy is not kept and gen.policy.config.cloud_fraction == 1.0
+        a = gen.generate(chat(QUESTIONS[0]), max_tokens=16)
+        assert a.n_cloud_tokens == a.n_tokens, "a fraction of 1: every token from the cloud"
+        with pytest.raises(ValueError, match="check"):
+            gen.reconfigure(check="sometimes")
+        assert gen.opts.check == "off", "a refused change changes nothing"
+    finally:
+        gen.close()
 
 
 def test_guess_regret_reads_the_clouds_top_list():

@@ -432,6 +432,55 @@ def test_push_to_talk_with_the_space_bar(app):
         wait_for(lambda: not s.gate.push_to_talk, 10, "hands-free", d)
 
 
+def test_releasing_the_key_ends_the_turn_at_once(app, tmp_path):
+    """Push-to-talk: the person says when the turn is over. A question that ends mid-phrase ("…city of")
+    would wait out the end-of-turn model's long wait; releasing the space bar ends it at once."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "What is the capital city of", tmp_path / "q.wav", lead_s=3.0, tail_s=8.0)
+    core.apply({"talk_mode": "push-to-talk"})
+    with chromium(srv.url, q) as d:
+        s = ready(d, core)
+        ActionChains(d).key_down(Keys.SPACE).perform()
+        wait_for(lambda: s.gate.talking, 5, "the key to open the microphone", d)
+        ep = s.pipe.endpointer
+        wait_for(lambda: ep.state == "pause" and ep.silent_ms >= 150, 30, "the question, then silence", d)
+        ActionChains(d).key_up(Keys.SPACE).perform()
+        wait_for(turns_done(core, 1), 60, "the turn", d)
+        turn = s.turns[0]
+        assert turn.end_of_turn is not None and turn.end_of_turn.note == "ended by the person", turn.end_of_turn
+        assert turn.end_of_turn.wait_ms == 0 and "capital" in turn.transcript.lower()
+        assert turn.answer is not None and turn.answer.n_tokens > 0
+
+
+def test_the_stop_button_stops_the_reply_and_keeps_what_was_played(app, long_answers, tmp_path):
+    """The stop button (or Esc) is a barge-in without speech: the reply stops, the history keeps only
+    what the page played, and the pipeline listens again."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    rate = core.engines.synth.rate
+    with chromium(srv.url, q) as d:
+        s = ready(d, core)
+        wait_for(lambda: stats(d)["played"] >= 2 * rate, 90, "two seconds of the reply", d)
+        d.find_element("id", "stop-reply").click()
+        wait_for(turns_done(core, 1), 20, "the reply to stop", d)
+        turn = s.turns[0]
+        assert turn.interrupted and turn.answer is not None
+        assert turn.spoken_text and len(turn.spoken_text) < len(turn.answer.text)
+        assert core.dialogue.turns[-1] == {"role": "assistant", "content": turn.spoken_text}
+        assert any(isinstance(e, Interruption) for e in s.pipe.events)
+        wait_for(
+            lambda: d.execute_script("return document.querySelector('.turn').classList.contains('interrupted')"),
+            10,
+            "the page to show it",
+            d,
+        )
+        d.find_element("id", "stop-reply").click()  # nothing playing now: said so, nothing breaks
+        wait_for(lambda: any("nothing to stop" in n for n in notices(d)), 10, "the notice", d)
+
+
 def test_echo_cancellation_on_open_speakers(app, long_answers, tmp_path):
     """Open speakers for real: Chromium's microphone (a PulseAudio source) hears the question and, through a
     loopback, everything the page plays. With the browser's echo cancellation on (the default) the reply is

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
@@ -107,6 +107,26 @@ def _pick_rate(sd, device: int | None, kind: str, wanted: int) -> int:
 
 
 # --------------------------------------------------------------------------- playback buffer
+
+
+class Playback(Protocol):
+    """Where the pipeline queues a reply's audio and learns how much of it was heard.
+
+    Two implementations: `PlaybackBuffer` (a local speaker's callback or a file drains it) and the
+    app's `BrowserPlayback` (the page plays it and reports progress). Barge-in pauses it, then
+    flushes it and keeps only the `played` part of the answer in the history.
+    """
+
+    paused: bool  # hold playback where it is (a possible barge-in)
+    played: int  # samples of the current turn that reached the output
+    pending: int  # samples queued, not yet played
+    first_out_t: float | None  # when the turn's first sample reached the output (time.monotonic)
+
+    def start_turn(self) -> None: ...
+    def put(self, audio: np.ndarray) -> None: ...
+    def flush(self) -> int:
+        """Drop what is queued; return the samples played this turn."""
+        ...
 
 
 class PlaybackBuffer:

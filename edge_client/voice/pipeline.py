@@ -54,7 +54,7 @@ import numpy as np
 
 from ..answer import Answer, TokenEvent
 from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber, close_gaps
-from .audio_io import FileSource, Frame, PlaybackBuffer
+from .audio_io import FileSource, Frame, Playback
 from .dialogue import Dialogue, DialogueOptions
 from .endofturn import EndOfTurn, TurnDecision, TurnOptions, load_end_of_turn, unfinished_text
 from .events import (
@@ -117,7 +117,7 @@ class VoiceOptions:
 
 
 class Sink(Protocol):
-    buffer: PlaybackBuffer
+    buffer: Playback
     rate: int
     source_rate: int
 
@@ -483,6 +483,28 @@ class VoicePipeline:
                 "speak closer to the microphone or check the file"
             )
 
+    # ------------------------------------------------------------------ requests from the UI (any thread)
+
+    def end_utterance(self) -> bool:
+        """The person says the turn is over (push-to-talk released, a "done" button): end it now, with no
+        end-of-turn wait. False when there is nothing to end (no speech under way, or already ended)."""
+        with self._lock:
+            u, ep = self._utt, self.endpointer
+            if u is None or u.endpointed or ep.state not in ("speech", "pause"):
+                return False
+            ep.state = "idle"
+            self._endpoint(time.monotonic(), forced="ended by the person")
+            return True
+
+    def stop_reply(self) -> bool:
+        """Stop the reply now, as a barge-in would (a stop button): generation and playback stop, the
+        history keeps only what was played, and an Interruption follows. False when nothing is playing."""
+        with self._lock:
+            if self._playing is None:
+                return False
+            self._interrupt(self._playing, time.monotonic())
+            return True
+
     # ------------------------------------------------------------------ listening
 
     def _feed(self, frame: Frame) -> None:
@@ -552,7 +574,7 @@ class VoicePipeline:
         n = len(u.audio) * FRAME
         if n / 16000 > o.max_utterance_s:
             self.endpointer.state = "idle"
-            self._endpoint(t)
+            self._endpoint(t, forced="utterance too long")
             return
         if self.endpointer.state == "pause":
             if o.speculative and u.spec_voiced_t is None and self._silence_ms >= o.speculate_after_ms:
@@ -573,7 +595,8 @@ class VoicePipeline:
         u.judged, u.judge_frames = False, None
         if self.eot.smart:
             self.endpointer.stop_delay_ms = self.eot.opts.max_wait_ms  # until the judgement says otherwise
-        else:
+        else:  # after a pause, judged (its decision made at the pause)
+            u.decision = u.decision or self.eot.new_decision(u.pauses)
             u.decision.wait_ms = self.endpointer.stop_delay_ms
 
     def _maybe_judge(self) -> None:
@@ -637,16 +660,18 @@ class VoicePipeline:
         # utterance starts afresh, so its asr_final or first token never precede the real ones.
         u.timings = TurnTimings(speech_start=u.timings.speech_start)
 
-    def _endpoint(self, t: float) -> None:
+    def _endpoint(self, t: float, forced: str = "") -> None:
+        """The turn is over: the final decode (or the speculative one's text) makes the answer. `forced`
+        says why it ended without the end-of-turn wait (too long, or the person said so)."""
         u = self._utt
         if u is None:
             return
         u.endpointed = True
         u.timings.speech_end = self.endpointer.last_voiced_t
         u.timings.endpoint_decided = time.monotonic()
-        if u.decision is None:  # max utterance length reached while speaking
-            u.decision = self.eot.new_decision(u.pauses)
-            u.decision.note, u.decision.wait_ms = "utterance too long", 0
+        u.decision = u.decision or self.eot.new_decision(u.pauses)  # made at the pause, unless forced mid-speech
+        if forced:
+            u.decision.note, u.decision.wait_ms = forced, 0
         else:
             u.decision.wait_ms = self.endpointer.stop_delay_ms
         if u.spec_voiced_t == self.endpointer.last_voiced_t:

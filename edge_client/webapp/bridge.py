@@ -3,8 +3,8 @@
 The page captures the microphone with the browser's echo cancellation and sends 16 kHz PCM
 frames; it plays the reply with WebAudio and reports how much it has played. The pipeline keeps
 only what was played in the history after a barge-in, so "played" here is what the page says it
-played, never what was merely sent: `BrowserPlayback` is the pipeline's `PlaybackBuffer` with its
-counters driven by those reports.
+played, never what was merely sent: `BrowserPlayback` is a `Playback` (edge_client/voice/audio_io.py)
+whose counters the page's reports drive.
 
 `InputGate` sits in front of any source (the browser's or a local microphone): push-to-talk
 silences the input unless the key is held, and a dropped file replaces the input while it plays,
@@ -22,13 +22,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from edge_client.voice.audio_io import PIPELINE_RATE, Frame, PlaybackBuffer
+from edge_client.voice.audio_io import PIPELINE_RATE, Frame
 
 Send = Callable[[Any], None]  # a JSON-able dict or bytes to the page; thread-safe, never blocks
 FRAME_S = 0.02  # the page sends 20 ms frames
 
 
-class BrowserPlayback(PlaybackBuffer):
+class BrowserPlayback:
     """The pipeline's playback buffer for audio the page plays.
 
     `put` sends the audio at once (the page queues it); `played`, `pending` and `first_out_t` follow
@@ -38,21 +38,24 @@ class BrowserPlayback(PlaybackBuffer):
 
     def __init__(self, send: Send) -> None:
         self._send = send
+        self._lock = threading.Lock()
         self._seq = 0
         self._sent = 0  # samples sent this turn
         self._flushed = False
         self._paused = False
-        super().__init__()
+        self.played = 0
+        self.pending = 0
+        self.first_out_t: float | None = None
         self.last_report_t: float | None = None
         self.first_sent_t: float | None = None  # when this turn's first audio left for the page
 
-    @property  # type: ignore[override]
+    @property
     def paused(self) -> bool:
         return self._paused
 
     @paused.setter
     def paused(self, value: bool) -> None:
-        if value != getattr(self, "_paused", False):
+        if value != self._paused:
             self._send({"type": "play_pause", "paused": bool(value)})
         self._paused = bool(value)
 
@@ -96,16 +99,13 @@ class BrowserPlayback(PlaybackBuffer):
             if not self._flushed:
                 self.pending = self._sent - self.played
 
-    def read_into(self, out: np.ndarray, t_out: float) -> int:  # the page drains this buffer, not a callback
-        raise NotImplementedError("BrowserPlayback is drained by the page")
-
 
 class BrowserSink:
     """The pipeline's `Sink` for the page: the reply at the synthesiser's rate, unchanged."""
 
     def __init__(self, send: Send, rate: int) -> None:
         self.rate = self.source_rate = int(rate)
-        self.buffer = BrowserPlayback(send)
+        self.buffer = BrowserPlayback(send)  # a Playback the page's reports drive
 
     def put(self, audio: np.ndarray) -> int:
         self.buffer.put(audio)

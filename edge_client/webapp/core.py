@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from edge_client.cloud_link import CloudLink, CloudRejected, CloudUnavailable
@@ -26,7 +26,6 @@ from edge_client.voice.pipeline import Engines, VoiceOptions
 from edge_client.voice.tts import Synthesizer
 from models.registry import model_info
 from shared.llama_backend import LlamaModel
-from shared.policy import RoutingPolicy
 
 from .settings import AppSettings, SettingsStore
 
@@ -149,8 +148,7 @@ class AppCore:
             if (new.cloud, new.api_key) != (old.cloud, old.api_key):
                 self._point_target(new.cloud, new.api_key)
                 assert self.gen is not None
-                with self._generator_idle():
-                    self.gen.cloud.retire()  # the next answer connects to the new target
+                self.gen.reconnect_next()  # the next answer connects to the new target
             if (new.cloud, new.cloud_fraction, new.check) != (old.cloud, old.cloud_fraction, old.check):
                 self._reconfigure(new)
             if new.pace != old.pace and self.engines is not None:
@@ -160,20 +158,11 @@ class AppCore:
             return new
 
     def _reconfigure(self, s: AppSettings) -> None:
-        """Check mode, policy and cloud fraction for the next answer. `reconfigure` keeps the policy
-        object, so a new fraction needs a new policy (from the router's prior, as at start-up)."""
-        gen = self.gen
-        assert gen is not None
-        gen.reconfigure(check=s.check, cloud_fraction=s.cloud_fraction, threshold=0.5, policy=self._policy_for(s.cloud))
-        with self._generator_idle():
-            gen.policy = RoutingPolicy(gen.opts.policy_config(), prior=getattr(gen.router, "threshold_for", None))
-
-    @contextlib.contextmanager
-    def _generator_idle(self) -> Iterator[None]:
-        """Hold the generator between answers (its own lock: an answer in progress finishes first)."""
+        """Check mode, policy and cloud fraction for the next answer (the generator rebuilds its policy)."""
         assert self.gen is not None
-        with self.gen._lock:
-            yield
+        self.gen.reconfigure(
+            check=s.check, cloud_fraction=s.cloud_fraction, threshold=0.5, policy=self._policy_for(s.cloud)
+        )
 
     def _policy_for(self, cloud: str) -> str:
         return "edge" if cloud == "none" else self.base_policy

@@ -95,7 +95,15 @@ def event_json(ev: Event) -> dict[str, Any] | None:
         return {"type": "final", "text": ev.text}
     if isinstance(ev, AnswerToken):
         tk = ev.token
-        return {"type": "token", "i": tk.index, "text": tk.text, "route": tk.route, "score": _round(tk.score, 3)}
+        return {
+            "type": "token",
+            "i": tk.index,
+            "text": tk.text,
+            "route": tk.route,
+            "score": _round(tk.score, 3),
+            "lookahead": tk.lookahead,
+            "overruled": tk.overruled,
+        }
     if isinstance(ev, Interruption):
         return {"type": "interruption", "heard": ev.heard, "stop_ms": round((ev.t_stopped - ev.t_onset) * 1000, 1)}
     if isinstance(ev, Notice):
@@ -188,6 +196,11 @@ class Session:
         elif kind == "ptt":
             if self.gate is not None:
                 self.gate.talking = bool(msg.get("down"))
+            if not msg.get("down") and self.pipe is not None:  # key up: the person is done, no end-of-turn wait
+                await asyncio.to_thread(self.pipe.end_utterance)
+        elif kind == "stop_reply":
+            if self.pipe is not None and not await asyncio.to_thread(self.pipe.stop_reply):
+                self.send({"type": "notice", "level": "info", "message": "nothing to stop: no reply is playing"})
         elif kind == "reset":
             self.reset()
 

@@ -230,11 +230,14 @@ function addToken(m) {
   if (!S.current) newTurn("(…)");
   const span = document.createElement("span");
   span.className = "tok " + m.route;
-  if (m.route === "cloud" && m.score === null) span.classList.add("lookahead");
+  const extra = [];
+  if (m.lookahead && m.route === "cloud") { span.classList.add("lookahead"); extra.push("the cloud's lookahead guess"); }
+  else if (m.lookahead) extra.push("the cloud's guess was near enough: the device kept its token");
+  if (m.overruled) { span.classList.add("overruled"); extra.push("the cloud's check overruled the device here"); }
   span.dataset.i = m.i;
   span.dataset.route = m.route;
   if (m.score !== null) span.dataset.score = m.score;
-  span.title = tokenTitle(m.route, m.score, span.classList.contains("lookahead") ? "the cloud's lookahead guess" : "");
+  span.title = tokenTitle(m.route, m.score, extra.join(", "));
   span.textContent = m.text;
   S.current.answer.appendChild(span);
   S.current.tokens[m.i] = span;
@@ -455,6 +458,10 @@ for (const id of ["#mode-hands-free", "#mode-ptt"]) {
 }
 
 $("#reset").addEventListener("click", () => send({ type: "reset" }));
+$("#stop-reply").addEventListener("click", () => send({ type: "stop_reply" }));
+window.addEventListener("keydown", (e) => {
+  if (e.code === "Escape" && !isTyping(e) && !$("#settings").open) send({ type: "stop_reply" });
+});
 
 // ------------------------------------------------------------------ dropped files
 
