@@ -54,6 +54,7 @@ from shared.llama_backend import DecodeError, DecodeItem, LlamaContext, LlamaMod
 from shared.model_info import ModelInfo
 from shared.protocol import SamplingParams, Work
 from shared.sampling import NO_GUESS, Guess, Sampler, SamplingError, log_softmax_at
+from shared.text_history import AnswerText
 
 __all__ = ["CloudEngine", "EngineStats", "SeqState"]
 
@@ -164,7 +165,9 @@ class CloudEngine:
             verify=True,
             max_verify_tokens=self.ctx.n_batch - 1,
             how="embedded llama.cpp: every logit in-process",
+            text=True,
         )
+        self._answer_text = AnswerText.for_model(self.model)
 
     # ---------------------------------------------------------------- what it is
 
@@ -211,6 +214,16 @@ class CloudEngine:
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:
         return self.model.chat_tokens(messages)
+
+    def answer_text(self) -> AnswerText:
+        """Text mode (protocol v3): this model's view of the shared answer text."""
+        return self._answer_text
+
+    def peek(self, handle: int) -> int:
+        """The argmax of the logits a prefill kept for the next position, or -1 when none describe
+        the history. Nothing is written or promised (text mode's span rule looks ahead with it)."""
+        s = self._seqs[handle]
+        return int(np.argmax(s.ready)) if s.ready is not None and s.has_ready else -1
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)

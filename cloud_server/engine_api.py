@@ -23,6 +23,7 @@ from typing import Any, Callable, NamedTuple, Protocol, TypeVar, runtime_checkab
 
 from shared.protocol import CAP_GENERATE, CAP_GUESS, CAP_VERIFY, ErrorCode, SamplingParams, Work
 from shared.sampling import Guess
+from shared.text_history import AnswerText
 
 T = TypeVar("T")
 
@@ -90,6 +91,7 @@ class Capabilities:
     verify: bool = False
     max_verify_tokens: int = 0  # drafted tokens one verify may carry
     how: str = ""  # how guesses and verifies are made, for /v1/info (e.g. "echo", "prompt-logprobs")
+    text: bool = False  # text mode (protocol v3): the engine is a `TextEngine` (a mismatched tokenizer is served)
 
     def names(self) -> list[str]:
         """The capability names an `accept` lists (shared/protocol.py, CAP_*)."""
@@ -144,6 +146,21 @@ class Engine(Protocol):
         ...
 
     def close_all(self) -> None: ...
+
+
+@runtime_checkable
+class TextEngine(Engine, Protocol):
+    """An engine that serves text mode (protocol v3; `Capabilities.text`): the session
+    (cloud_server/text_session.py) re-tokenizes the shared answer text with its model."""
+
+    def answer_text(self) -> AnswerText:
+        """The model's view of the shared answer text (shared/text_history.py)."""
+        ...
+
+    def peek(self, handle: int) -> int:
+        """The most likely next token from the logits a prefill kept, without writing or promising
+        it (-1: none kept). The span rule looks at it to stop before a new word."""
+        ...
 
 
 @runtime_checkable

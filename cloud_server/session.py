@@ -16,6 +16,12 @@ Protocol v2: the `accept` lists the engine's capabilities (what the device may
 ask for), and every reply carries the engine's work for this session since the
 previous reply (forward passes, tokens per kind, remote requests: shared/protocol.py
 `Work`), background prefill included. A v1 device is served as before.
+
+Protocol v3, text mode: a device whose tokenizer differs from the model's (or
+that asks for it: `hello.text_mode` "always") shares the answer as text; the
+`text_*` messages carry byte positions, and cloud_server/text_session.py keeps
+the engine's token history in step with the text. Token messages are refused
+in a text session and text messages in a token session (`out_of_order`).
 """
 
 from __future__ import annotations
@@ -25,17 +31,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Awaitable, Callable, NoReturn
+from typing import Awaitable, Callable, NoReturn, cast
 
 from cloud_server.audit import SessionAudit
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
-from cloud_server.engine_api import EngineError, EngineFull, GenerateResult, Worker
+from cloud_server.engine_api import EngineError, EngineFull, GenerateResult, TextEngine, Worker
 from cloud_server.flywheel import recorder_for
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, SessionGuard
 from cloud_server.services import Services
+from cloud_server.text_session import SpanPiece, TextSession
 from shared.model_info import ModelInfo
 from shared.protocol import (
+    CAP_GENERATE,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     WORK_FIELDS,
@@ -50,6 +58,10 @@ from shared.protocol import (
     Reject,
     Rollback,
     Sync,
+    TextGenerate,
+    TextReply,
+    TextRollback,
+    TextSync,
     Tokens,
     Verdict,
     Verify,
@@ -133,6 +145,7 @@ class Connection:
         self.prefill_ms = 0.0  # background prefill after hello/sync, reported with the next reply (prefill_ms)
         self.services = services or Services()
         self.edge_model = ""
+        self.text: TextSession | None = None  # text mode (protocol v3): the shared answer text
 
     @property
     def session_id(self) -> str:
@@ -151,6 +164,16 @@ class Connection:
         st = self.session
         if st is None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"first message must be hello, got {msg.type}")
+        if isinstance(msg, (TextSync, TextGenerate, TextRollback)):
+            if self.text is None:
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} in a session that shares tokens, not text")
+            if isinstance(msg, TextSync):
+                return await self._text_sync(st, self.text, msg)
+            if isinstance(msg, TextGenerate):
+                return await self._text_generate(st, self.text, msg)
+            return await self._text_rollback(self.text, msg)
+        if self.text is not None and isinstance(msg, (Sync, Generate, Verify, Rollback)):
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} in a text-mode session: use text_* messages")
         if isinstance(msg, Sync):
             return await self._sync(st, msg)
         if isinstance(msg, Generate):
@@ -179,12 +202,20 @@ class Connection:
         key = self.keys.identify(msg.api_key)
         if key is None:
             await self._reject(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
-        if msg.tokenizer != self.info.tokenizer_fingerprint:
+        same_vocab = msg.tokenizer == self.info.tokenizer_fingerprint
+        text_mode = (
+            self.caps.text
+            and msg.version >= 3
+            and (msg.text_mode == "always" or (msg.text_mode == "auto" and not same_vocab))
+        )
+        if not same_vocab and not text_mode:
             await self._reject(
                 ErrorCode.VOCAB_MISMATCH,
                 f"device tokenizer {msg.tokenizer} differs from the cloud model's ({self.info.name}, "
                 f"{self.info.tokenizer_fingerprint}); token routing needs one vocabulary: use an edge model "
-                "built from the same tokenizer",
+                "built from the same tokenizer, or text mode (protocol v3, text_mode auto"
+                + ("" if self.caps.text else "; this server's engine cannot")
+                + ")",
             )
         sampling = sampling_from_dict(msg.sampling)
         try:
@@ -209,6 +240,8 @@ class Connection:
             SessionGuard(key, self.services.abuse_warmup_tokens),
             self.services.audit.start(session_id, key.name, len(prompt)),
         )
+        if text_mode:  # what text mode supports (docs/protocol.md): hard positions only, for now
+            self.text = TextSession(self.worker, cast(TextEngine, self.engine), handle, len(prompt))
         await self.send(
             Accept(
                 session_id=session_id,
@@ -218,8 +251,9 @@ class Connection:
                 prompt_hash=token_hash(prompt),
                 max_message_bytes=self.config.max_message_bytes,
                 version=min(msg.version, PROTOCOL_VERSION),
-                capabilities=self.caps.names(),
-                max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify else 0,
+                capabilities=[CAP_GENERATE] if text_mode else self.caps.names(),
+                max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify and not text_mode else 0,
+                mode="text" if text_mode else "tokens",
             )
         )
         await self._prefill(st)
@@ -428,6 +462,79 @@ class Connection:
                 prefill_ms=prefill_ms,
             )
         )
+
+    # ---------------------------------------------------------------- text mode (protocol v3)
+
+    def _check_bytes(self, text: TextSession, mtype: str, byte_position: int) -> None:
+        if byte_position != len(text.text):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                f"{mtype} at byte {byte_position}, but the session's answer holds {len(text.text)} bytes",
+            )
+
+    async def _text_sync(self, st: SessionState, text: TextSession, msg: TextSync) -> None:
+        self._check_bytes(text, "text_sync", msg.byte_position)
+        n = len(self.engine.history(st.handle))
+        self._device_tokens(st, n, await text.append(msg.text.encode()))
+        await self._prefill(st)
+
+    async def _text_rollback(self, text: TextSession, msg: TextRollback) -> None:
+        if msg.byte_position > len(text.text):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                f"text_rollback to byte {msg.byte_position}, but the session's answer holds {len(text.text)} bytes",
+            )
+        await text.rollback(msg.byte_position)
+
+    async def _text_generate(self, st: SessionState, text: TextSession, msg: TextGenerate) -> None:
+        """A hard position in text mode: the device's text, then the cloud's span (or stream)."""
+        self._check_bytes(text, "text_generate", msg.byte_position)
+        if msg.max_tokens > self.config.max_tokens_per_request:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
+                field="max_tokens",
+            )
+        self._admit_hard_tokens(st, 1)
+        n = len(self.engine.history(st.handle))
+        carried = await text.append(msg.text.encode())
+        self._device_tokens(st, n, carried)
+        sent = False
+
+        async def emit(piece: SpanPiece) -> None:
+            nonlocal sent
+            base = len(self.engine.history(st.handle)) - len(piece.tokens)
+            for i, token in enumerate(piece.tokens):
+                self._cloud_token(st, base + i, token)
+            self.cloud_tokens += len(piece.tokens)
+            prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
+            work = self._take_work(st)
+            await self.send(
+                TextReply(
+                    **vars_of(work),
+                    request_id=msg.request_id,
+                    byte_position=piece.byte_position,
+                    text=piece.text.decode("utf-8"),
+                    n_tokens=len(piece.tokens),
+                    logprob=piece.logprob,
+                    compute_ms=piece.compute_s * 1000.0,
+                    final=piece.final,
+                    eog=piece.eog,
+                    prefill_ms=prefill_ms,
+                )
+            )
+            sent = True
+
+        try:
+            with engine_errors():
+                await text.span(
+                    msg.proposed_text, msg.max_tokens, msg.at_word, lambda: self._admit_hard_tokens(st, 1), emit
+                )
+        except Exception:
+            # nothing sent: the request leaves the answer as it was (the device may retry there);
+            # else the answer keeps what was sent, and the engine's history follows it again
+            await text.rollback(len(text.text) if sent else msg.byte_position)
+            raise
 
     async def close(self) -> None:
         if self.recorder is not None:

@@ -111,6 +111,7 @@ class Answer:
     cloud_capabilities: list[str] | None = None  # what the cloud's engine can do (its accept); None: no cloud
     cloud_mode: str = ""  # how the cloud was asked, after fallbacks (e.g. "per-token+guess+check"; "none", "stream")
     cloud_mode_asked: str = ""  # how the options asked for it (differs when the cloud cannot do something)
+    shared_history: str = ""  # what the device and the cloud shared: "tokens", "text" (protocol v3), "" (no cloud)
     edge_model: str = ""
     cloud_model: str = ""
     routing_log: bytes = b""
@@ -175,6 +176,7 @@ class Answer:
             "cloud_capabilities": self.cloud_capabilities,
             "cloud_mode": self.cloud_mode,
             "cloud_mode_asked": self.cloud_mode_asked,
+            "shared_history": self.shared_history,
             "cloud_work": self.traffic.work_json(),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,

@@ -11,6 +11,10 @@ device knows which tokens to send with the next message and how to bring a
 session it reuses in line with a new turn (`resync`), what the server's engine
 can do (`capabilities`, from its accept: protocol v2), and the cloud's work
 that every reply reports (`stats`: passes, tokens per kind, engine requests).
+
+In text mode (protocol v3, `mode` "text": the cloud's tokenizer differs, or the
+device asked for it) the link holds the answer text the cloud holds
+(`held_text`) instead, and speaks the `text_*` messages (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ from shared.protocol import (
     Rollback,
     SamplingParams,
     Sync,
+    TextGenerate,
+    TextReply,
+    TextRollback,
+    TextSync,
     Tokens,
     Verdict,
     Verify,
@@ -86,6 +94,16 @@ class CloudToken:
     eog: bool
 
 
+@dataclass(slots=True)
+class CloudText:
+    """Text mode: text the cloud wrote (whole UTF-8 characters) with its own tokens' count."""
+
+    text: bytes
+    n_tokens: int
+    logprob: float
+    eog: bool
+
+
 class CloudLink:
     def __init__(self, url: str, api_key: str, timeout_s: float = 2.0, connect_timeout_s: float = 5.0) -> None:
         self.url = url
@@ -95,6 +113,9 @@ class CloudLink:
         self.stats = Traffic()  # this link's totals
         self.accept: Accept | None = None
         self.held: list[int] = []  # the tokens the cloud's history holds, as far as the device knows
+        self.mode = "tokens"  # what the session shares (its accept, protocol v3): "tokens" or "text"
+        self.held_text = bytearray()  # text mode: the answer text the cloud holds
+        self.messages: list[dict] = []  # the chat the session was opened for (text mode renders it on each side)
         self._ws: ClientConnection | None = None
         self._next_request = 1
         self._max_bytes = 1 << 20
@@ -118,8 +139,18 @@ class CloudLink:
 
     # ---------------------------------------------------------------- session
 
-    def open(self, edge: ModelInfo, messages: list[dict], prompt: list[int], sampling: SamplingParams) -> Accept:
-        """hello -> accept; then make sure the cloud holds exactly `prompt`."""
+    def open(
+        self,
+        edge: ModelInfo,
+        messages: list[dict],
+        prompt: list[int],
+        sampling: SamplingParams,
+        text_mode: str = "never",
+    ) -> Accept:
+        """hello -> accept; then make sure the cloud holds exactly `prompt`. `text_mode` (protocol
+        v3): whether the device offers to share the answer as text ("auto": where the tokenizers
+        differ; "always"). In a text session each side renders `messages` itself: the cloud
+        holds no answer text yet."""
         try:
             # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
             self._ws = connect(
@@ -136,6 +167,7 @@ class CloudLink:
             messages=messages,
             sampling=asdict(sampling),
             client="tokenrouter-edge",
+            text_mode=text_mode,
         )
         self._send(hello)
         try:
@@ -151,6 +183,10 @@ class CloudLink:
             raise CloudUnavailable(f"cloud answered hello with {reply.type}")
         self.accept = reply
         self._max_bytes = reply.max_message_bytes
+        self.messages = messages
+        self.mode = reply.mode
+        if self.mode == "text":
+            return reply
         self.held = list(prompt[: reply.n_prompt])
         if reply.prompt_hash != token_hash(prompt) or reply.n_prompt != len(prompt):
             # the cloud rendered the chat differently: the device's tokens are the truth
@@ -336,6 +372,80 @@ class CloudLink:
         self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
         self.consecutive_timeouts = 0
         return reply
+
+    # ---------------------------------------------------------------- text mode (protocol v3)
+
+    def text_sync(self, text: bytes) -> None:
+        """Append answer text the device wrote (whole UTF-8 characters) to the cloud's (no reply)."""
+        if text:
+            self._send(TextSync(byte_position=len(self.held_text), text=text.decode("utf-8")))
+            self.held_text += text
+
+    def text_rollback(self, byte_position: int) -> None:
+        self._send(TextRollback(byte_position=byte_position))
+        del self.held_text[byte_position:]
+
+    def text_generate(
+        self,
+        pending: bytes,
+        proposed: bytes = b"",
+        hidden: np.ndarray | None = None,
+        max_tokens: int = 4,
+        at_word: bool = True,
+        on_text: Callable[[CloudText], bool] | None = None,
+    ) -> CloudText:
+        """Send `pending` device text plus a hard position; returns the cloud's text (a span,
+        shared/text_history.py), all of it: with `at_word` False a stream of up to `max_tokens`
+        cloud tokens, each piece shown to `on_text` as it comes (False: stop listening; the link
+        then closes, since the cloud is still writing). `proposed`: the device's token's text."""
+        request_id = self._next_request
+        self._next_request += 1
+        self._send(
+            TextGenerate(
+                request_id=request_id,
+                byte_position=len(self.held_text),
+                text=pending.decode("utf-8"),
+                proposed_text=proposed.decode("utf-8") if proposed else "",
+                max_tokens=max_tokens,
+                at_word=at_word,
+                hidden=None if hidden is None else hidden.astype(np.float16),
+            )
+        )
+        self.held_text += pending
+        t0 = time.perf_counter()
+        out = CloudText(b"", 0, 0.0, False)
+        while True:
+            try:
+                reply = self._recv(self.timeout_s)
+            except CloudTimeout:
+                # Abandon it: the cloud finishes the span, then this rollback undoes its text.
+                self.consecutive_timeouts += 1
+                self.text_rollback(len(self.held_text))
+                raise
+            if self._stale_error(reply, request_id):
+                continue
+            if not isinstance(reply, TextReply) or reply.request_id != request_id:
+                continue  # a stale reply to an abandoned request
+            if reply.byte_position != len(self.held_text):
+                self.close_quietly()
+                raise CloudUnavailable(f"cloud text at byte {reply.byte_position}, expected {len(self.held_text)}")
+            self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
+            self.stats.background_ms += reply.prefill_ms
+            piece = CloudText(reply.text.encode("utf-8"), reply.n_tokens, reply.logprob, reply.eog)
+            self.held_text += piece.text
+            out = CloudText(
+                out.text + piece.text, out.n_tokens + piece.n_tokens, out.logprob + piece.logprob, piece.eog
+            )
+            if on_text is not None and on_text(piece) is False and not reply.final:
+                self.close_quietly()  # the cloud is still writing into this session
+                self.stats.round_trips += 1
+                return out
+            if reply.final:
+                break
+        self.consecutive_timeouts = 0
+        self.stats.round_trips += 1
+        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
+        return out
 
     # ---------------------------------------------------------------- framing
 

@@ -9,6 +9,12 @@ device's history. A slow cloud is not a lost cloud: a hard token that misses
 its deadline is written by the device, a clause whose check misses it stands
 as drafted, and the link rolls the abandoned request back and stays
 (docs/architecture.md, "Failure and fallback").
+
+In text mode (protocol v3: the cloud's model tokenizes differently, or the
+options ask for it) the session turns the device's token history into the
+answer's text (shared/text_history.py) and asks with the `text_*` messages
+(`ask_text`, `stream_text`); the token calls still work where they make sense
+(`sync`), and `resync` (a prefill ahead of time) does nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +25,19 @@ from typing import Callable
 import numpy as np
 
 from edge_client.answer import Traffic
-from edge_client.cloud_link import CloudError, CloudLink, CloudRejected, CloudTimeout, CloudToken, CloudUnavailable
+from edge_client.cloud_link import (
+    CloudError,
+    CloudLink,
+    CloudRejected,
+    CloudText,
+    CloudTimeout,
+    CloudToken,
+    CloudUnavailable,
+)
 from shared.model_info import ModelInfo
 from shared.protocol import SamplingParams, Verdict
 from shared.sampling import Guess
+from shared.text_history import SPAN_TOKENS, AnswerText, common_prefix, complete_utf8
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +53,16 @@ class CloudSession:
         edge: ModelInfo,
         sampling: SamplingParams,
         max_consecutive_timeouts: int = 3,
+        text_mode: str = "never",
+        answer_text: AnswerText | None = None,
     ) -> None:
+        """`text_mode` (protocol v3): "never", "auto" (text where the tokenizers differ) or
+        "always"; `answer_text`: the device model's view of the answer text (needed unless never)."""
         self._connect = connect
+        self.text_mode = text_mode
+        self.answer_text = answer_text
+        self._prompt_len = 0  # text mode: where the answer starts in the device's history
+        self._covered = 0  # text mode: how much of the device's history the cloud's text covers
         self.edge = edge
         self.sampling = sampling
         self.max_consecutive_timeouts = max_consecutive_timeouts  # then the cloud is lost for this answer
@@ -69,7 +92,19 @@ class CloudSession:
 
     @property
     def cloud_len(self) -> int:
+        """How much of the device's history the cloud holds (text mode: covers with its text)."""
+        if self.link is not None and self.link.mode == "text":
+            return self._covered
         return self.link.cloud_len if self.link is not None else 0
+
+    @property
+    def shared_history(self) -> str:
+        """What the connected session shares: "tokens", "text", or "" (no cloud connected)."""
+        return self.link.mode if self.link is not None else ""
+
+    @property
+    def text(self) -> bool:
+        return self.link is not None and self.link.mode == "text"
 
     @property
     def capabilities(self) -> list[str] | None:
@@ -84,15 +119,21 @@ class CloudSession:
         `history` reads the device's history, for a rebuild mid-answer."""
         assert self._connect is not None
         self._messages, self._history, self._reconnects_left = None, history, self.reconnect_mid_answer
+        self._prompt_len, self._covered = len(prompt), len(prompt)
         try:
             if self.link is not None and not self.link.connected:
                 self.retire()  # closed after an interrupted stream, or lost
-            if self.link is not None:
+            if self.link is not None and self.link.mode == "text" and self.link.messages != messages:
+                self.retire()  # text mode: each side renders the chat itself, so a new chat is a new session
+            if self.link is not None and self.link.mode == "text":
+                if self.link.held_text:
+                    self.link.text_rollback(0)  # the same chat answered again
+            elif self.link is not None:
                 self.link.resync(prompt)
             else:
                 link = self._connect()
                 try:
-                    link.open(self.edge, messages, prompt, self.sampling)
+                    link.open(self.edge, messages, prompt, self.sampling, self.text_mode)
                 finally:
                     self.link = link if link.connected else None
                     if self.link is None:
@@ -120,8 +161,13 @@ class CloudSession:
         assert self._connect is not None
         link = self._connect()
         try:
-            link.open(self.edge, messages, self._history()[:], self.sampling)
+            history = self._history()[:]
+            link.open(self.edge, messages, history, self.sampling, self.text_mode)
+            if link.mode == "text":  # the rebuilt session holds the answer's text so far
+                self.link, self._covered = link, self._prompt_len
+                self._text_sync(history)
         except (CloudUnavailable, CloudError, CloudRejected) as exc:
+            self.link = None
             log.warning("reconnect failed, continuing on the device: %s", exc)
             link.close_quietly()
             self._retired += link.stats
@@ -153,13 +199,17 @@ class CloudSession:
         if link is None:
             return
         try:
-            link.sync(history[link.cloud_len : end])
+            if link.mode == "text":
+                self._text_sync(history[:end])
+            else:
+                link.sync(history[link.cloud_len : end])
         except CloudUnavailable as exc:
             self.lose(exc)
 
     def resync(self, history: list[int]) -> None:
-        """Make the cloud hold `history` (a prefill ahead of time)."""
-        if self.link is not None and self.link.connected:
+        """Make the cloud hold `history` (a prefill ahead of time; not in text mode, where the
+        answer text is shared, not the prompt)."""
+        if self.link is not None and self.link.connected and self.link.mode != "text":
             try:
                 self.link.resync(history)
             except CloudUnavailable as exc:
@@ -227,6 +277,70 @@ class CloudSession:
         except LinkErrors as exc:
             self.lose(exc)
             return None
+
+    # ---------------------------------------------------------------- text mode (protocol v3)
+
+    def _pending_text(self, history: list[int]) -> bytes:
+        """The answer text of `history` the cloud lacks, up to the last whole character. Where the
+        device's text departs from the cloud's (a rollback on the device), the cloud's is cut first."""
+        link = self.link
+        assert link is not None and self.answer_text is not None
+        answer = self.answer_text.text_of(history[self._prompt_len :])
+        if not answer.startswith(link.held_text):
+            keep = common_prefix(answer, link.held_text)
+            link.text_rollback(complete_utf8(answer[:keep]))
+        pending = answer[len(link.held_text) :]
+        return pending[: complete_utf8(pending)]
+
+    def _text_sync(self, history: list[int]) -> bool:
+        """Send the answer text the cloud lacks; True when it now holds all of `history`'s text."""
+        link = self.link
+        assert link is not None
+        link.text_sync(self._pending_text(history))
+        whole = self.answer_text is not None and len(link.held_text) == len(
+            self.answer_text.text_of(history[self._prompt_len :])
+        )
+        self._covered = len(history) if whole else max(self._covered, len(history) - 1)
+        return whole
+
+    def text_taken(self, history_len: int) -> None:
+        """The device took the cloud's text: its history (of `history_len`) is what the cloud holds."""
+        self._covered = history_len
+
+    def ask_text(self, history: list[int], proposed: bytes, hidden: np.ndarray) -> CloudText | None:
+        """Text mode: the cloud's span for the position after `history` (its text joins the answer
+        on both sides), or None: the device writes the position (a fallback). None also where the
+        device's text ends inside a character (the cloud can only be asked on whole characters)."""
+        link = self.link
+        assert link is not None and self.answer_text is not None
+        try:
+            answer = self.answer_text.text_of(history[self._prompt_len :])
+            if complete_utf8(answer) != len(answer):
+                return None
+            pending = self._pending_text(history)
+            return link.text_generate(pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS)
+        except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
+            self.timeouts += 1
+            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
+                self.retire()
+                self.last_error = str(exc)
+            return None
+        except LinkErrors as exc:
+            self.lose(exc)
+            return None
+
+    def stream_text(self, history: list[int], max_tokens: int, on_text: Callable[[CloudText], bool]) -> bool:
+        """Text mode, policy cloud: the cloud writes up to `max_tokens` of its tokens after
+        `history`, streamed to `on_text` (False: stop listening). False when the cloud was lost."""
+        link = self.link
+        assert link is not None
+        try:
+            pending = self._pending_text(history)
+            link.text_generate(pending, max_tokens=max_tokens, at_word=False, on_text=on_text)
+            return True
+        except LinkErrors as exc:
+            self.lose(exc)
+            return False
 
     def stream(
         self, history: list[int], max_tokens: int, on_token: Callable[[CloudToken], bool], proposed: int = -1

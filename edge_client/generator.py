@@ -12,7 +12,10 @@ on the device and is marked degraded; the next answer tries to reconnect.
 The device asks only for what the server's engine can do (its accept lists
 it, protocol v2): without `verify` the check falls back to the per-token
 phase, without `guess` lookahead is off (`negotiated`); the answer says which
-mode it used (`cloud_mode`).
+mode it used (`cloud_mode`). Where the cloud's model tokenizes differently (or
+`text_mode` is "always") the session shares the answer as text (protocol v3):
+hard positions get the cloud's text span (`TextPerToken`), and the answer says
+so (`shared_history`: "text").
 
     with open_generator(GeneratorOptions(cloud="local")) as gen:
         answer = gen.generate([{"role": "user", "content": "Hi"}], on_token=print)
@@ -34,7 +37,18 @@ from edge_client.cloud_session import CloudSession
 from edge_client.decoder import EdgeDecoder
 from edge_client.local_cloud import loopback_cloud
 from edge_client.options import GeneratorOptions
-from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVerify, PerToken, Span, Strategy, Turn
+from edge_client.strategies import (
+    ClauseCheck,
+    CloudStream,
+    DeviceOnly,
+    DraftVerify,
+    PerToken,
+    Span,
+    Strategy,
+    TextPerToken,
+    TextStream,
+    Turn,
+)
 from edge_client.writer import AnswerWriter
 from models.registry import model_info
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RuleOptions
@@ -45,6 +59,7 @@ from shared.policy import RoutingPolicy
 from shared.protocol import CAP_GUESS, CAP_VERIFY
 from shared.router import HeuristicRouter, Router
 from shared.sampling import Sampler
+from shared.text_history import AnswerText
 
 PER_TOKEN_STRATEGIES: dict[str, Strategy] = {
     "per-token": PerToken(),
@@ -75,7 +90,10 @@ class RoutedGenerator:
         )
         self.policy = policy or RoutingPolicy(opts.policy_config(), prior=getattr(self.router, "threshold_for", None))
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
-        self.cloud = CloudSession(connect, edge.info, opts.sampling())
+        self.answer_text = AnswerText.for_model(edge)  # text mode: the answer as this model tokenizes it
+        self.cloud = CloudSession(
+            connect, edge.info, opts.sampling(), text_mode=opts.text_mode, answer_text=self.answer_text
+        )
         self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
         self.overruled = OverruledShare()  # running share of tokens the check overruled (the router targets the rest)
         self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
@@ -214,6 +232,7 @@ class RoutedGenerator:
             cloud_capabilities=caps,
             cloud_mode=cloud_mode(mode, use_cloud, rule_options, strategy),
             cloud_mode_asked=cloud_mode(mode, use_cloud, self.opts.rule(), self.opts.strategy),
+            shared_history=cloud.shared_history if use_cloud else "",
         )
         traffic0, timeouts0 = cloud.traffic(), cloud.timeouts
         turn = Turn(
@@ -230,6 +249,8 @@ class RoutedGenerator:
             overruled=self.overruled,
             max_tokens=max_tokens,
             stop=stop,
+            text=self.answer_text,
+            prompt_len=len(prompt),
         )
         while not turn.finished():
             self._strategy(turn, mode, use_cloud).run(turn)
@@ -248,6 +269,8 @@ class RoutedGenerator:
             return _DEVICE_ONLY  # a per-answer choice of the device: no router
         if not use_cloud or not turn.cloud.up:
             return self._per_token  # policy edge, or a lost cloud: the device finishes (fallbacks logged)
+        if turn.cloud.text:  # text mode: hard positions and streams only (docs/protocol.md)
+            return _TEXT_STREAM if mode == "cloud" else _TEXT_PER_TOKEN
         if mode == "cloud":
             return _STREAM
         if turn.rule.checking:
@@ -258,6 +281,8 @@ class RoutedGenerator:
 _DEVICE_ONLY = DeviceOnly()
 _STREAM = CloudStream()
 _CHECK = ClauseCheck()
+_TEXT_PER_TOKEN = TextPerToken()
+_TEXT_STREAM = TextStream()
 
 
 def negotiated(rule: RuleOptions, strategy: str, caps: list[str] | None) -> tuple[RuleOptions, str]:

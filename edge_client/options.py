@@ -14,7 +14,7 @@ from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.decision import RuleOptions
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
-from shared.protocol import SamplingParams
+from shared.protocol import TEXT_MODES, SamplingParams
 
 DEFAULT_CHECK = "after-first-clause"  # no first-audio cost, better answers (docs/voice.md, docs/router.md)
 STRATEGIES = ("per-token", "span", "verify", "speculative")
@@ -59,6 +59,10 @@ class GeneratorOptions:
     check_nats: float = 1.0
     check_max_draft: int = 12  # longest draft before a verify when no clause ends
     strategy: str = "per-token"  # STRATEGIES: how the per-token phase asks the cloud
+    # Text mode (protocol v3, docs/protocol.md): share the answer as text with a cloud whose model
+    # tokenizes differently ("auto"), always ("always": the text path's lossless test), or never
+    # (a tokenizer mismatch is refused). Text mode asks the cloud per hard position only.
+    text_mode: str = "auto"
     span: int = 4  # strategy "span": tokens the cloud writes per hard token
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     n_ctx: int = 4096
@@ -87,6 +91,8 @@ class GeneratorOptions:
     def validate(self) -> None:
         """Refuse settings the generator cannot use, naming the flag."""
         self.rule()
+        if self.text_mode not in TEXT_MODES:
+            raise ValueError(f"text_mode (--text-mode) must be one of {', '.join(TEXT_MODES)}, not {self.text_mode!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
         if self.check_max_draft < 1:

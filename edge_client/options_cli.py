@@ -13,6 +13,7 @@ from edge_client.options import DEFAULT_CHECK, GeneratorOptions
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.decision import CHECK_MODES
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
+from shared.protocol import TEXT_MODES
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
@@ -84,6 +85,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="with --check: how much less likely than the cloud's choice a device token may be",
     )
+    p.add_argument(
+        "--text-mode",
+        choices=TEXT_MODES,
+        default="auto",
+        help="share the answer as text with the cloud (protocol v3): auto (where the models' tokenizers differ), "
+        "always, never (a tokenizer mismatch is refused)",
+    )
     p.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
 
 
@@ -112,5 +120,6 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         lookahead_nats=args.lookahead_nats,
         check=args.check,
         check_nats=args.check_nats,
+        text_mode=args.text_mode,
         system_prompt=args.system_prompt,
     )

@@ -12,6 +12,9 @@ The generator (edge_client/generator.py) runs one strategy at a time over a
     Span         at a hard token the cloud writes up to `span` tokens (replay's router-span)
     DraftVerify  draft to a clause end, one `verify` of the flagged drafts, or of all of
                  them (replay's router-verify and speculative)
+    TextPerToken text mode (protocol v3): PerToken's rule, a hard position gets the cloud's
+                 text span, which the device re-tokenizes (shared/text_history.py)
+    TextStream   text mode, policy `cloud`: the cloud writes the rest, streamed as text
 
 Who writes each position is decided by shared/decision.py, the one copy of the
 rule; a strategy only carries the decision out over the network. Each `run`
@@ -28,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from edge_client.answer import Answer, Route
+from edge_client.cloud_link import CloudText
 from edge_client.cloud_session import CloudSession
 from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
@@ -37,6 +41,7 @@ from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
 from shared.sampling import Sampler
+from shared.text_history import AnswerText, complete_utf8
 
 
 @dataclass(slots=True)
@@ -57,6 +62,8 @@ class Turn:
     max_tokens: int
     stop: threading.Event | None = None
     router_ms: list[float] = field(default_factory=list)
+    text: AnswerText | None = None  # text mode: the device model's view of the answer text
+    prompt_len: int = 0  # where the answer starts in the decoder's history
 
     @property
     def answer(self) -> Answer:
@@ -94,6 +101,30 @@ class Turn:
         if token >= 0:
             self.decoder.truncate(start + accepted)
             self.decoder.append(token)
+
+    def take_text(self, got: CloudText, score: float | None) -> None:
+        """Text mode: the cloud's text joins the answer. The device re-tokenizes the answer and
+        keeps its KV cache for the common token prefix (shared/text_history.py: a partial last
+        token of its own is rolled back), and releases the text as its own tokens, routed cloud
+        (the first with the router's score); an end of the answer as its end-of-turn token.
+        Text past the answer's room (`max_tokens`) is left out, as the device alone would stop."""
+        dec, view, start = self.decoder, self.text, self.prompt_len
+        assert view is not None
+        pieces = self.model.tokenize(got.text.decode("utf-8"), parse_special=False) if got.text else []
+        if got.eog:
+            pieces.append(self.model.eog_token)
+        text = got.text
+        if len(pieces) > self.room():
+            pieces = pieces[: self.room()]
+            text = b"".join(self.model.token_bytes(t) for t in pieces)
+            text = text[: complete_utf8(text)]  # the answer ends here: its history only needs whole characters
+        answer = dec.history[start:]
+        keep, add = view.reconcile(answer, view.text_of(answer) + text)
+        dec.truncate(start + keep)
+        dec.history.extend(add)  # decoded when next needed (the KV cache follows lazily)
+        self.cloud.text_taken(len(dec.history))
+        for i, token in enumerate(pieces):
+            self.out.release(token, "cloud", score if i == 0 else None)
 
     def sync_eagerly(self) -> None:
         """Send the final device tokens the cloud lacks once there are `sync_every` of them."""
@@ -235,6 +266,42 @@ class Span:
                 return
         turn.write(proposed, "edge", score, fallback=hard and turn.cloud.configured)
         turn.sync_eagerly()
+
+
+class TextPerToken:
+    """Text mode (protocol v3): the router decides each position as in PerToken (no lookahead
+    guess: text mode has none); a hard position is one `text_generate`, whose span of the
+    cloud's text the device takes (`Turn.take_text`). If the cloud cannot answer (lost, slow,
+    or the device's text ends inside a character), the device writes the position (a fallback)."""
+
+    def run(self, turn: Turn) -> None:
+        rule, cloud = turn.rule, turn.cloud
+        logits, hidden = turn.decoder.next_distribution()
+        proposed = turn.sampler.sample(logits)
+        score, flagged = turn.flag(hidden, logits, proposed)
+        step = rule.step(flagged, None, proposed)
+        if step is Step.ASK and cloud.up:
+            got = cloud.ask_text(turn.decoder.history, turn.model.token_bytes(proposed), hidden)
+            if got is not None and (got.text or got.eog):  # (a span of only a cut character brings nothing)
+                turn.take_text(got, score)
+                rule.written(turn.answer.tokens[-1], cloud_answered=True)
+                turn.sync_eagerly()
+                return
+        turn.write(proposed, "edge", score, fallback=step is Step.ASK and cloud.configured)
+        rule.written(proposed)
+        turn.sync_eagerly()
+
+
+class TextStream:
+    """Text mode, policy `cloud`: the cloud writes the rest of the answer, streamed as text."""
+
+    def run(self, turn: Turn) -> None:
+        def take(got: CloudText) -> bool:
+            turn.take_text(got, None)
+            return not turn.finished()
+
+        if not turn.cloud.stream_text(turn.decoder.history, turn.room(), take):
+            turn.answer.degraded = True
 
 
 class DraftVerify:

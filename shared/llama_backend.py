@@ -109,11 +109,12 @@ class LlamaModel:
 
     # ----------------------------------------------------------------- text <-> tokens
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """`parse_special` False: text that spells a control token (e.g. "<|im_end|>") stays text."""
         data = text.encode()
         n_max = len(data) + 8
         buf = (lc.llama_token * n_max)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
         if n < 0:
             raise ValueError(f"tokenizer needs {-n} slots for a {len(data)}-byte text")
         return list(buf[:n])
@@ -132,6 +133,16 @@ class LlamaModel:
 
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def eog_token(self) -> int:
+        """The token that ends an answer (end of turn: EOS when it ends generation, else EOT)."""
+        eos = int(lc.llama_vocab_eos(self.vocab))
+        return eos if eos >= 0 and self.is_eog(eos) else int(lc.llama_vocab_eot(self.vocab))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
 
     # ----------------------------------------------------------------- chat template
 

@@ -11,7 +11,10 @@ a `generate`) is a *binary* frame:
 
 Both sides hold the same token history. `position` in a message is the length
 of that history before the message's tokens are appended, so either side can
-detect a lost or reordered message at once.
+detect a lost or reordered message at once. In text mode (protocol v3: the
+models' tokenizers differ, or the device asks for it) the sides share the
+answer's text instead and the `text_*` messages carry `byte_position`, the
+answer's length in UTF-8 bytes before the message's text (shared/text_history.py).
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)  # a v1 device is served as before: it reads no capabilities and no work counters
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)  # a v1 device is served as before: it reads no capabilities and no work counters
+# v3: text mode. The device offers it in `hello.text_mode`; `accept.mode` says what the session uses.
+TEXT_MODES = ("never", "auto", "always")  # never: tokens only (a tokenizer mismatch is refused); auto: text where
+# the tokenizers differ; always: text even for one tokenizer (the text path's lossless test)
+HISTORY_MODES = ("tokens", "text")  # what the two sides share: token ids, or the answer's text
 MAX_MESSAGE_BYTES = 1 << 20  # default limit for one frame, both directions
 MAX_TOKENS_PER_MESSAGE = 8192
 NEXT_TOP = 8  # how many of its most likely tokens the cloud lists in a `next` message
@@ -137,10 +144,11 @@ class Hello:
     version: int
     api_key: str
     edge_model: str  # model fingerprint of the device's model
-    tokenizer: str  # tokenizer fingerprint: must equal the cloud's
+    tokenizer: str  # tokenizer fingerprint: must equal the cloud's, unless the session is in text mode (v3)
     messages: list[dict]  # chat messages ({"role", "content"}) the answer continues
     sampling: dict = field(default_factory=dict)  # SamplingParams as a dict
     client: str = ""
+    text_mode: str = "never"  # v3: TEXT_MODES, whether the device can share the answer as text
 
 
 @dataclass(slots=True)
@@ -158,6 +166,7 @@ class Accept:
     # v2: what this server's engine can do (CAP_*); absent from a v1 server: ALL_CAPABILITIES assumed
     capabilities: list[str] = field(default_factory=lambda: list(ALL_CAPABILITIES))
     max_verify_tokens: int = 0  # drafted tokens one verify may carry (0: not said)
+    mode: str = "tokens"  # v3: HISTORY_MODES; "text": the text_* messages, byte positions
 
 
 @dataclass(slots=True)
@@ -287,6 +296,58 @@ class Rollback:
 
 
 @dataclass(slots=True)
+class TextSync:
+    """Device -> cloud, text mode: answer text the device wrote, sent eagerly (no reply)."""
+
+    type: ClassVar[str] = "text_sync"
+    byte_position: int  # the answer's length in UTF-8 bytes before `text`
+    text: str
+
+
+@dataclass(slots=True)
+class TextGenerate:
+    """Device -> cloud, text mode: a hard position. Append `text`, then write a span of the
+    cloud's own tokens (shared/text_history.py, `span_done`): at least one, up to `max_tokens`,
+    stopping before a token that starts a new word when `at_word`. `proposed_text` is the text of
+    the device's own token there ("": none): if it is one token of the cloud's, that token stands
+    where it ties with the cloud's best (shared/decision.py). `hidden` as in `generate`."""
+
+    type: ClassVar[str] = "text_generate"
+    request_id: int
+    byte_position: int
+    text: str
+    proposed_text: str = ""
+    max_tokens: int = 4
+    at_word: bool = True
+    hidden: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class TextReply(Work):
+    """Cloud -> device, text mode: the text the cloud wrote for a text_generate (whole UTF-8
+    characters). A stream (`at_word` false) may take several; the last has final=True."""
+
+    type: ClassVar[str] = "text_reply"
+    request_id: int
+    byte_position: int  # where `text` goes in the answer
+    text: str
+    n_tokens: int  # the cloud's own tokens it wrote for this text
+    logprob: float  # their summed log-probability
+    compute_ms: float
+    final: bool = True
+    eog: bool = False  # the answer ends after `text`
+    prefill_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class TextRollback:
+    """Device -> cloud, text mode: cut the answer to `byte_position` bytes (whole characters)."""
+
+    type: ClassVar[str] = "text_rollback"
+    byte_position: int
+
+
+@dataclass(slots=True)
 class Close:
     """Either side: the session ends; the cloud frees its KV cache."""
 
@@ -304,10 +365,44 @@ class Error:
     request_id: int | None = None
 
 
-Message = Union[Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error]
+Message = Union[
+    Hello,
+    Accept,
+    Reject,
+    Sync,
+    Generate,
+    Tokens,
+    Next,
+    Verify,
+    Verdict,
+    Rollback,
+    TextSync,
+    TextGenerate,
+    TextReply,
+    TextRollback,
+    Close,
+    Error,
+]
 MESSAGE_TYPES: dict[str, type] = {
     cls.type: cls
-    for cls in (Hello, Accept, Reject, Sync, Generate, Tokens, Next, Verify, Verdict, Rollback, Close, Error)
+    for cls in (
+        Hello,
+        Accept,
+        Reject,
+        Sync,
+        Generate,
+        Tokens,
+        Next,
+        Verify,
+        Verdict,
+        Rollback,
+        TextSync,
+        TextGenerate,
+        TextReply,
+        TextRollback,
+        Close,
+        Error,
+    )
 }
 _HINTS = {cls: get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 
@@ -426,6 +521,8 @@ def _decode_hidden(dim: Any, payload: bytes) -> np.ndarray | None:
 _INT_RANGES: dict[str, tuple[int, int]] = {
     "version": (0, INT32_MAX),
     "position": (0, INT32_MAX),
+    "byte_position": (0, INT32_MAX),
+    "n_tokens": (0, INT32_MAX),
     "request_id": (0, MAX_REQUEST_ID),
     "max_tokens": (1, INT32_MAX),
     "proposed": (-1, INT32_MAX),  # -1: none
@@ -533,6 +630,10 @@ def _check_ranges(msg: Message) -> None:
         raise _bad("next", "top_logprobs", "must have as many items as top_ids")
     if isinstance(msg, Tokens) and len(msg.ids) != len(msg.logprobs):
         raise _bad("tokens", "logprobs", "must have as many items as ids")
+    if isinstance(msg, Hello) and msg.text_mode not in TEXT_MODES:
+        raise _bad("hello", "text_mode", f"must be one of {', '.join(TEXT_MODES)}")
+    if isinstance(msg, Accept) and msg.mode not in HISTORY_MODES:
+        raise _bad("accept", "mode", f"must be one of {', '.join(HISTORY_MODES)}")
     if isinstance(msg, Hello):
         for i, m in enumerate(msg.messages):
             name = f"messages[{i}]"

@@ -369,12 +369,12 @@ def test_cloud_server_serves_every_message_through_the_remote_engine(remote_clou
     with urllib.request.urlopen(remote_cloud.http_url + "/v1/info", timeout=5) as r:
         info = json.loads(r.read())
     assert info["engine"] == "remote" and info["capabilities"] == ["generate", "guess", "verify"]
-    assert "verify: generate" in info["engine_detail"] and info["protocol_versions"] == [1, 2]
+    assert "verify: generate" in info["engine_detail"] and info["protocol_versions"] == [1, 2, 3]
     ref = reference_greedy(cloud_info, chat(WIFI), 10)
     with connect(remote_cloud.url, open_timeout=10, compression=None) as ws:
         ws.send(encode(hello(cloud_info, remote_cloud.api_key, question=WIFI)))
         acc = decode(ws.recv(timeout=10))
-        assert isinstance(acc, Accept) and acc.version == 2
+        assert isinstance(acc, Accept) and acc.version == PROTOCOL_VERSION
         assert acc.capabilities == ["generate", "guess", "verify"] and acc.max_verify_tokens == 64
         ws.send(encode(Generate(request_id=1, position=acc.n_prompt, tokens=[], max_tokens=4)))
         got, work = [], 0
@@ -414,9 +414,9 @@ def test_cloud_server_serves_every_message_through_the_remote_engine(remote_clou
         assert isinstance(acc, Accept) and acc.version == 1
         ws.send(encode(Close()))
     with connect(remote_cloud.url, open_timeout=10, compression=None) as ws:
-        ws.send(encode(hello(cloud_info, remote_cloud.api_key, version=3)))
+        ws.send(encode(hello(cloud_info, remote_cloud.api_key, version=4)))
         rej = decode(ws.recv(timeout=10))
-        assert isinstance(rej, Reject) and rej.code == ErrorCode.VERSION_MISMATCH and "1, 2" in rej.reason
+        assert isinstance(rej, Reject) and rej.code == ErrorCode.VERSION_MISMATCH and "1, 2, 3" in rej.reason
 
 
 def test_ask_with_every_default_through_the_remote_engine(remote_cloud):

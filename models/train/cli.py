@@ -18,12 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir
+from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir, model_info
 from models.train.evaluate import EvalOptions, evaluate, plot, write_json
 from models.train.fit import FitOptions, fit
 from models.train.label import LabelOptions, label
 from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
 from models.train.report import write_report
+from models.train.text_eval import TextEvalOptions, evaluate_text
 from shared.decision import TIE_NATS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -264,6 +265,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if not args.split and not args.prompts:
         args.split = ["val"]
     prompts, source = _prompts(args)
+    if model_info(args.edge_model).tokenizer_fingerprint != model_info(args.cloud_model).tokenizer_fingerprint:
+        return cmd_eval_text(args, prompts, source)
     opts = EvalOptions(
         args.router,
         args.edge_model,
@@ -310,6 +313,33 @@ def cmd_eval(args: argparse.Namespace) -> None:
             )
         )
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+
+
+def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> None:
+    """A mixed pair (different tokenizers): the text-mode curve (models/train/text_eval.py); the
+    learned router and the token-level methods need one vocabulary and are not run."""
+    opts = TextEvalOptions(
+        args.edge_model,
+        args.cloud_model,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+        seed=args.seed,
+        **({"fractions": tuple(args.fraction)} if args.fraction else {}),
+    )
+    result = evaluate_text(prompts, opts)
+    result["split"] = source
+    write_json(result, args.out.with_suffix(".json"))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    e0, c1 = result["points"]["edge-only"][0], result["points"]["cloud-only"][0]
+    print(
+        f"{len(prompts)} prompts ({source}) in {result['seconds']}s, text mode ({result['edge_model']} -> "
+        f"{result['cloud_model']}): cloud NLL per byte edge-only {e0['nll_per_byte']}, cloud-only "
+        f"{c1['nll_per_byte']}; gap recovered at 30% cloud bytes: "
+        + ", ".join(f"{k} {v:.0%}" for k, v in result["gap_recovered_at_30_bytes"].items())
+    )
+    print(f"wrote {args.out.with_suffix('.json')}")
 
 
 def cmd_reproduce(args: argparse.Namespace) -> None:

@@ -1,0 +1,146 @@
+"""Text mode on the cloud (protocol v3): the session's shared answer is text, not token ids.
+
+The device and this server's model may tokenize differently (SmolLM2 on the device, Gemma in
+the cloud). The session holds the answer's text (`text`, UTF-8 bytes); the engine's token
+history is the cloud model's prompt followed by its own tokenization of that text, brought in
+step after every change by shared/text_history.py (`AnswerText.reconcile`: keep the longest
+common token prefix, roll back the rest, append the new tokens; the KV cache follows as usual).
+
+A hard position (`text_generate`) writes a span of the cloud's own tokens: the first through
+the engine's `generate` (with the device's proposed token when its text is one token of this
+model: the tie rule of shared/decision.py), the others until `span_done` says stop. To know
+whether the next token starts a new word, the engine decodes the token just written (the
+decode the next sync's prefill would make) and peeks at its most likely successor.
+
+The connection (cloud_server/session.py) checks positions and does the accounting; this module
+only moves the text and the engine's history. It runs only on an engine that can
+(`Capabilities.text`: the embedded llama.cpp engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from cloud_server.engine_api import TextEngine, Worker
+from shared.text_history import SPAN_TOKENS, complete_utf8, span_done
+
+
+@dataclass(slots=True)
+class SpanPiece:
+    """Text the cloud wrote, ready for a `text_reply`."""
+
+    byte_position: int
+    text: bytes
+    tokens: list[int]  # the cloud's tokens behind it (the ones written for this piece)
+    logprob: float
+    compute_s: float
+    final: bool
+    eog: bool
+
+
+class TextSession:
+    """One session's shared answer text and the engine history that follows it."""
+
+    def __init__(self, worker: Worker, engine: TextEngine, handle: int, n_prompt: int) -> None:
+        self.worker = worker
+        self.engine = engine
+        self.handle = handle
+        self.n_prompt = n_prompt
+        self.view = engine.answer_text()
+        self.text = b""  # the answer so far, as both sides hold it
+
+    async def _follow(self) -> list[int]:
+        """Bring the engine's history to prompt + tokens(text); returns the tokens appended."""
+        history = self.engine.history(self.handle)
+        keep, add = await self.worker.call(self.view.reconcile, history[self.n_prompt :], self.text)
+        if self.n_prompt + keep < len(history):
+            await self.worker.call(self.engine.rollback, self.handle, self.n_prompt + keep)
+        self.engine.append(self.handle, add)
+        return add
+
+    async def append(self, text: bytes) -> list[int]:
+        """The device wrote `text` (whole characters): returns the cloud tokens appended."""
+        self.text += text
+        return await self._follow()
+
+    async def rollback(self, byte_position: int) -> None:
+        """Cut the answer to `byte_position` bytes (the caller checked it is within the text)."""
+        self.text = self.text[:byte_position]
+        await self._follow()
+
+    async def span(
+        self,
+        proposed_text: str,
+        max_tokens: int,
+        at_word: bool,
+        admit: Callable[[], None],
+        emit: Callable[[SpanPiece], Awaitable[None]],
+    ) -> None:
+        """Write the cloud's span after the text (shared/text_history.py, `span_done`), handing
+        the text to `emit`: once (a span), or piece by piece with `at_word` False (a stream).
+        `admit` is called before each token after the first (quotas; it may raise). On an error
+        the engine's history may hold tokens of no emitted text: the caller rolls back."""
+        engine, worker, handle = self.engine, self.worker, self.handle
+        written = bytearray()  # this piece's bytes (the seam not yet removed)
+        tokens: list[int] = []
+        logprob = compute = 0.0
+        eog = False
+        result = await worker.generate(handle, self.view.proposal(self.text, proposed_text.encode()))
+        n = 0
+        while True:
+            n += 1
+            tokens.append(result.token)
+            logprob += result.logprob
+            compute += result.compute_s
+            if engine.is_eog(result.token):
+                eog = True
+                break
+            written += self.view.token_bytes(result.token)
+            if not at_word:
+                done = span_done(bytes(written), n, max_tokens, None, at_word=False)
+                whole = complete_utf8(written)
+                if not done and whole and n % SPAN_TOKENS == 0:  # stream whole characters as they come
+                    await self._emit(emit, written[:whole], tokens, logprob, compute, final=False, eog=False)
+                    del written[:whole]
+                    tokens, logprob, compute = [], 0.0, 0.0
+            elif span_done(bytes(written), n, max_tokens, b"a"):  # the cap decides: no need to look ahead
+                done = True
+            elif complete_utf8(written) != len(written):
+                done = False  # finish the character first
+            else:  # look at the next token: stop before a new word
+                compute += await worker.prefill(handle)
+                nxt = await worker.call(engine.peek, handle)
+                if nxt >= 0 and engine.is_eog(nxt):  # the answer ends here: write the end now
+                    admit()
+                    result = await worker.generate(handle)
+                    n += 1
+                    tokens.append(result.token)
+                    logprob += result.logprob
+                    compute += result.compute_s
+                    eog = engine.is_eog(result.token)
+                    break
+                done = span_done(bytes(written), n, max_tokens, self.view.token_bytes(nxt) if nxt >= 0 else None)
+            if done:
+                break
+            admit()
+            result = await worker.generate(handle)
+        whole = written[: complete_utf8(written)]  # trailing bytes of an unfinished character are dropped
+        await self._emit(emit, whole, tokens, logprob, compute, final=True, eog=eog)
+
+    async def _emit(
+        self,
+        emit: Callable[[SpanPiece], Awaitable[None]],
+        written: bytes | bytearray,
+        tokens: list[int],
+        logprob: float,
+        compute_s: float,
+        final: bool,
+        eog: bool,
+    ) -> None:
+        """Add `written` to the shared text (the seam removed at the answer's start), bring the
+        engine's history to it (a partial last token is rolled back), then hand it out."""
+        position = len(self.text)
+        self.text = self.view.join(self.text, bytes(written))
+        await self._follow()
+        await emit(SpanPiece(position, self.text[position:], tokens, logprob, compute_s, final, eog))

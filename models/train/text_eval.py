@@ -1,0 +1,283 @@
+"""`tokenrouter-train eval` for a pair of models with different tokenizers (text mode, protocol v3).
+
+The token-level eval (evaluate.py) needs one vocabulary. For a mixed pair (SmolLM2-135M on the
+device, Gemma-3-270M in the cloud) this replays the generator's text-mode path in-process, one
+answer at a time, with the same rule as the device and the server (shared/text_history.py):
+the device proposes its greedy token and the router scores it; an easy position appends the
+device's token to the answer text; a hard one (on a whole character) hands the text to the
+cloud model, which re-tokenizes it with its own tokenizer and writes its span (its greedy tokens,
+the device's proposal standing where it ties: shared/decision.py's `cloud_choice`), and the
+device re-tokenizes the answer with the span. Both KV caches follow the text (keep the common
+token prefix, decode the rest).
+
+Quality is the cloud model's negative log-likelihood **per byte** of the answer text, each
+answer read by the cloud model (teacher-forced over its own tokens of the text, after its own
+prompt), summed over prompts and divided by their bytes: per token would favour whichever
+tokenizer cuts finer. The x axis is the share of answer bytes the cloud wrote. The gap recovered
+at 30% cloud bytes is (edge-only − method) / (edge-only − cloud-only), with each method's curve
+interpolated at 0.3.
+
+Methods: entropy (thresholds at quantiles of the device's entropy scores along the edge-only
+answers of the same prompts) and random (threshold 1 − f on uniform scores); edge-only and
+cloud-only (every position asked: the cloud's own text, up to ties). No learned router is
+shipped for a mixed pair yet: `tokenrouter-train label/fit` still label in one vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from models.registry import model_info
+from shared.decision import cloud_choice
+from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
+from shared.policy import PolicyConfig, RoutingPolicy
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
+from shared.protocol import SamplingParams
+from shared.router import HeuristicRouter, RandomRouter, Router
+from shared.sampling import Sampler
+from shared.text_history import SPAN_TOKENS, AnswerText, common_prefix, complete_utf8, span_done
+
+TEXT_METHODS = ("entropy", "random")
+DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3)  # of positions asked: a span takes ~2-3x in bytes
+
+
+@dataclass(slots=True)
+class TextEvalOptions:
+    edge_model: str
+    cloud_model: str
+    fractions: tuple[float, ...] = DEFAULT_TEXT_FRACTIONS
+    max_tokens: int = 48  # device tokens per answer
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    threads: int | None = 1
+    seed: int = 0
+
+
+class _Side:
+    """One model's history over the shared text: its prompt, then its tokens of the answer."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, threads: int | None, embeddings: bool) -> None:
+        self.model = model
+        self.view = AnswerText.for_model(model)
+        self.ctx = LlamaContext(model, n_ctx=n_ctx, n_seq=1, threads=threads, embeddings=embeddings)
+        self.n_prompt = 0
+        self.history: list[int] = []
+        self.n_decoded = 0
+
+    def start(self, prompt: list[int]) -> None:
+        keep = common_prefix(self.history, prompt)
+        self.truncate(keep)
+        self.history = list(prompt)
+        self.n_prompt = len(prompt)
+
+    def truncate(self, n: int) -> None:
+        del self.history[n:]
+        if self.n_decoded > n:
+            self.ctx.truncate(0, n)
+            self.n_decoded = n
+
+    def follow(self, text: bytes) -> list[int]:
+        """Bring the history to prompt + tokens(text) (shared/text_history.py); the tokens appended."""
+        keep, add = self.view.reconcile(self.history[self.n_prompt :], text)
+        self.truncate(self.n_prompt + keep)
+        self.history += add
+        return add
+
+    def next(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(logits, hidden) after the history (views until the next decode)."""
+        n = len(self.history)
+        if self.n_decoded == n:  # outputs not kept: decode the last token again
+            self.ctx.truncate(0, n - 1)
+            self.n_decoded = n - 1
+        pending = self.history[self.n_decoded :]
+        out = self.ctx.decode([DecodeItem(0, self.n_decoded, pending)])[0]
+        self.n_decoded = n
+        return self.ctx.logits(out), (self.ctx.hidden(out) if self.ctx.embeddings else None)
+
+    def nll(self, text: bytes) -> float:
+        """The model's summed negative log-likelihood of answer `text` after its prompt."""
+        prompt = self.history[: self.n_prompt]
+        answer = self.view.tokens(text)
+        self.truncate(0)
+        self.history = prompt + answer
+        if not answer:
+            return 0.0
+        rows = self.history
+        outs = self.ctx.decode_outputs(DecodeItem(0, 0, rows), list(range(len(prompt) - 1, len(rows) - 1)))
+        self.n_decoded = len(rows)
+        total = 0.0
+        for o, token in zip(outs, answer):
+            logits = self.ctx.logits(o).astype(np.float64)
+            m = logits.max()
+            total += m + np.log(np.exp(logits - m).sum()) - logits[token]
+        self.truncate(0)
+        self.history = prompt
+        return float(total)
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+@dataclass(slots=True)
+class _Answer:
+    text: bytes = b""
+    cloud_bytes: int = 0
+    scores: list[float] = field(default_factory=list)
+
+
+def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
+    """The cloud's span after `text` (shared/text_history.py, `span_done`): (its text, answer ended)."""
+    cloud.follow(text)
+    logits, _ = cloud.next()
+    token = cloud_choice(logits, sampler, cloud.view.proposal(text, proposed))
+    written, n = b"", 0
+    while True:
+        n += 1
+        if cloud.model.is_eog(token):
+            return written[: complete_utf8(written)], True
+        cloud.history.append(token)
+        written += cloud.model.token_bytes(token)
+        if span_done(written, n, SPAN_TOKENS, b"a"):
+            break
+        logits, _ = cloud.next()
+        nxt = int(np.argmax(logits))
+        if complete_utf8(written) == len(written):
+            if cloud.model.is_eog(nxt):
+                return written, True
+            if span_done(written, n, SPAN_TOKENS, cloud.model.token_bytes(nxt)):
+                break
+        token = nxt
+    return written[: complete_utf8(written)], False
+
+
+def _routed(
+    edge: _Side,
+    cloud: _Side,
+    eprompt: list[int],
+    cprompt: list[int],
+    router: Router | None,
+    policy: RoutingPolicy | None,
+    max_tokens: int,
+    always: bool = False,
+) -> _Answer:
+    """One answer by the text-mode rule (the module docstring). `router` None: the device alone
+    (`always`: the cloud at every position)."""
+    sampler = Sampler(SamplingParams())
+    edge.start(eprompt)
+    cloud.start(cprompt)
+    if policy is not None:
+        policy.start_answer()
+    a = _Answer()
+    n = 0
+    while n < max_tokens:
+        logits, hidden = edge.next()
+        proposed = int(np.argmax(logits))
+        score = router.score(hidden, logits, proposed) if router is not None else 0.0
+        a.scores.append(score)
+        hard = always or (policy is not None and policy.decide(score))
+        if hard and complete_utf8(a.text) == len(a.text):
+            span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
+            added = cloud.view.join(a.text, span)[len(a.text) :]
+            pieces = edge.model.tokenize(added.decode("utf-8"), parse_special=False)
+            if len(pieces) > max_tokens - n:  # the answer's room ends inside the span, as in Turn.take_text
+                pieces = pieces[: max_tokens - n]
+                added = b"".join(edge.model.token_bytes(t) for t in pieces)
+                added = added[: complete_utf8(added)]
+            a.cloud_bytes += len(added)
+            a.text += added
+            n += max(len(pieces), 1)
+            edge.follow(a.text)
+            if eog:
+                break
+            continue
+        if edge.model.is_eog(proposed):
+            break
+        edge.history.append(proposed)
+        a.text += edge.model.token_bytes(proposed)
+        n += 1
+    a.text = a.text[: complete_utf8(a.text)]
+    return a
+
+
+def evaluate_text(
+    prompts: list[str], opts: TextEvalOptions, on_progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    """The mixed pair's curve: per method and target fraction, the achieved share of cloud bytes
+    and the cloud model's NLL per byte; the gap recovered at 30% cloud bytes (module docstring)."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    t0 = time.perf_counter()
+    edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
+    em, cm = LlamaModel(edge_info), LlamaModel(cloud_info)
+    edge = _Side(em, 2048, opts.threads, embeddings=True)
+    cloud = _Side(cm, 2048, opts.threads, embeddings=False)
+    try:
+        messages = [
+            [{"role": "system", "content": opts.system_prompt}, {"role": "user", "content": p}] for p in prompts
+        ]
+        eprompts, cprompts = [em.chat_tokens(m) for m in messages], [cm.chat_tokens(m) for m in messages]
+        entropy = HeuristicRouter("entropy", em.n_vocab)
+        answers: dict[tuple[str, float], list[_Answer]] = {}
+        answers[("edge-only", 0.0)] = [
+            _routed(edge, cloud, e, c, entropy, None, opts.max_tokens) for e, c in zip(eprompts, cprompts)
+        ]
+        answers[("cloud-only", 1.0)] = [
+            _routed(edge, cloud, e, c, None, None, opts.max_tokens, always=True) for e, c in zip(eprompts, cprompts)
+        ]
+        scores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.scores])
+        for f in opts.fractions:
+            thresholds = {"entropy": float(np.quantile(scores, 1.0 - f)), "random": 1.0 - f}
+            for method in TEXT_METHODS:
+                got = []
+                for k, (e, c) in enumerate(zip(eprompts, cprompts)):
+                    router: Router = (
+                        entropy
+                        if method == "entropy"
+                        else RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
+                    )
+                    policy = RoutingPolicy(PolicyConfig("router", threshold=thresholds[method]))
+                    got.append(_routed(edge, cloud, e, c, router, policy, opts.max_tokens))
+                answers[(method, f)] = got
+            if on_progress is not None:
+                on_progress(1)
+        points: dict[str, list[dict[str, float]]] = {}
+        for (method, f), got in answers.items():
+            nll = total = cbytes = 0
+            for a, c in zip(got, cprompts):
+                cloud.start(c)
+                nll += cloud.nll(a.text)
+                total += len(a.text)
+                cbytes += a.cloud_bytes
+            points.setdefault(method, []).append(
+                {
+                    "target": f,
+                    "cloud_bytes": round(cbytes / max(total, 1), 4),
+                    "nll_per_byte": round(nll / max(total, 1), 5),
+                    "bytes": total,
+                }
+            )
+    finally:
+        edge.close()
+        cloud.close()
+        em.close()
+        cm.close()
+    e0, c1 = points["edge-only"][0]["nll_per_byte"], points["cloud-only"][0]["nll_per_byte"]
+    gap = {}
+    for method in TEXT_METHODS:
+        curve = sorted([(0.0, e0)] + [(p["cloud_bytes"], p["nll_per_byte"]) for p in points[method]] + [(1.0, c1)])
+        at30 = float(np.interp(0.3, [x for x, _ in curve], [y for _, y in curve]))
+        gap[method] = round((e0 - at30) / (e0 - c1), 4) if e0 != c1 else float("nan")
+    return {
+        "mode": "text",
+        "measure": "cloud model NLL per byte of the answer text (lower is better)",
+        "edge_model": edge_info.name,
+        "cloud_model": cloud_info.name,
+        "n_prompts": len(prompts),
+        "max_tokens": opts.max_tokens,
+        "points": points,
+        "gap_recovered_at_30_bytes": gap,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }

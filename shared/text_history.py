@@ -1,0 +1,153 @@
+"""The shared answer as text: the one rule for token routing across vocabularies (protocol v3, text mode).
+
+When the device's and the cloud's models do not share a tokenizer (or the device asks for text
+mode with `--text-mode always`), the two sides agree on the BYTES of the answer, not on token
+ids. Each side renders the chat (`hello.messages`) with its own template and holds its own token
+history: its prompt, then its own tokenization of the answer text. Both the device
+(edge_client/strategies.py, `TextPerToken`) and the cloud (cloud_server/text_session.py) call
+this module; no second copy of the rule exists.
+
+**Histories are the truth, KV caches follow.** After any change of the answer text, a side
+re-tokenizes the whole answer text with its own tokenizer (`AnswerText.tokens`, canonical: the
+same text always gives the same tokens), keeps the longest common token prefix with what its
+KV cache holds (`AnswerText.reconcile`) and decodes the rest. A token that the new text extends
+or splits (the device wrote " Par", the cloud's text is "is") is thereby rolled back and
+replaced by the canonical tokenization (" Paris"): no side ever continues from a partial token
+that its own tokenizer would not have produced. Between changes a side appends its own tokens
+as it writes them (greedy output of these models is canonical: measured on the test questions,
+re-tokenizing SmolLM2's answers gives back the very tokens it wrote).
+
+**The cloud's span** (`span_done`): at a hard position the cloud writes at least one of its own
+tokens and goes on until the text it wrote is whole UTF-8 characters and either the token it
+would write next starts a new word (begins with whitespace or ASCII punctuation, or ends the
+answer), or it has written `max_tokens` (default `SPAN_TOKENS`, 4) tokens. Why: both
+tokenizers split words at whitespace and punctuation (SmolLM2's GPT-2-style pre-tokenizer never
+merges a letter with a following " word"; Gemma's SentencePiece starts words with "▁"), so text
+that ends just before a new word ends on a token boundary of *any* such tokenizer: the device's
+re-tokenization keeps every token of the cloud's text whole and the device model continues from
+a clean word boundary, never from a piece it would have merged. Knowing the next token is free:
+the cloud decodes its last token anyway (the next sync's prefill would), and the token it peeks
+at is the one it writes next if it goes on. The cap keeps a span short where words are long or
+text has no spaces (CJK); there the device re-tokenizes a word cut in the middle, which is
+correct, just less natural. Text not yet whole UTF-8 after the cap gets up to `UTF8_EXTRA` more
+tokens (byte-fallback tokens: a character may take up to four), and trailing partial bytes
+after that are dropped (`complete_utf8`), so text on the wire is always whole characters.
+
+**Whole characters.** The device sends text only up to the last whole character and asks the
+cloud only where its text ends on one (a hard position inside a multi-byte character, rare, is
+written by the device); messages carry text as JSON strings and `byte_position` counts UTF-8
+bytes.
+
+**Special tokens.** The answer text is plain text: it is tokenized without parsing special
+tokens (an answer that spells "<|im_end|>" is those ten characters, not an end-of-turn), and
+control tokens read as nothing (`LlamaModel.token_bytes`). The end of the answer is a flag
+(`eog`), never text. Each side's chat template (and its BOS) lives in its prompt tokens only.
+
+**The seam.** A model without a chat template (a base model: its prompt is rendered
+"...\\nAssistant:") reads the answer after a space, as its training text had it: its answer
+tokens are those of " " + text (`AnswerText.seam`), and a space it writes first is not part of
+the shared text (`AnswerText.join`). A chat model's template ends with a newline: no seam.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from shared.llama_backend import LlamaModel
+
+SPAN_TOKENS = 4  # the most cloud tokens one hard position writes, unless a character is unfinished
+UTF8_EXTRA = 4  # more tokens allowed to finish a multi-byte character after the cap
+_PUNCT = frozenset(b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+_SPACE = frozenset(b" \t\n\r\x0b\x0c")
+
+
+def complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of `data` that does not end inside a multi-byte character.
+
+    Only the last (at most three) bytes are looked at: earlier bytes are taken as they are (the
+    text before them was whole characters when it was sent)."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        b = data[n - back]
+        if b < 0x80:  # ASCII: whole
+            return n
+        if b >= 0xC0:  # a lead byte: whole if its continuation bytes are all there
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return n if back >= need else n - back
+    return n  # only continuation bytes in reach: leave it to the decoder
+
+
+def starts_word(piece: bytes) -> bool:
+    """A token whose text begins with whitespace or ASCII punctuation starts a new word."""
+    return bool(piece) and (piece[0] in _SPACE or piece[0] in _PUNCT)
+
+
+def span_done(written: bytes, n_tokens: int, max_tokens: int, next_piece: bytes | None, at_word: bool = True) -> bool:
+    """The cloud's span rule (module docstring): after writing `n_tokens` tokens whose text is
+    `written`, stop here? `next_piece`: the text of the token it would write next (None: the
+    answer ends there, or it is not known). `at_word` False (a stream: policy cloud): only the
+    cap and whole characters count."""
+    if complete_utf8(written) != len(written):
+        return n_tokens >= max_tokens + UTF8_EXTRA
+    if n_tokens >= max_tokens:
+        return True
+    return at_word and (next_piece is None or starts_word(next_piece))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class AnswerText:
+    """One side's view of the shared answer: text -> its own tokens, and back."""
+
+    def __init__(self, tokenize: Callable[[str], list[int]], token_bytes: Callable[[int], bytes], seam: bytes = b""):
+        self._tokenize = tokenize
+        self.token_bytes = token_bytes
+        self.seam = seam
+
+    @classmethod
+    def for_model(cls, model: LlamaModel) -> AnswerText:
+        """The view of `model`: plain-text tokenization (no special tokens parsed, no BOS), and the
+        seam of a model without a chat template."""
+        return cls(
+            lambda s: model.tokenize(s, add_special=False, parse_special=False),
+            model.token_bytes,
+            b"" if model.has_chat_template else b" ",
+        )
+
+    def tokens(self, text: bytes) -> list[int]:
+        """The canonical tokens of answer `text` (whole UTF-8 characters), after the prompt."""
+        if not text:
+            return []
+        return self._tokenize((self.seam + text).decode("utf-8"))
+
+    def text_of(self, tokens: Sequence[int]) -> bytes:
+        """The answer text that answer `tokens` spell (the seam left out)."""
+        data = b"".join(self.token_bytes(t) for t in tokens)
+        return data[len(self.seam) :] if self.seam and data.startswith(self.seam) else data
+
+    def join(self, text: bytes, written: bytes) -> bytes:
+        """The answer after this side wrote `written` (its tokens' bytes) at the end of `text`."""
+        if not text and self.seam and written.startswith(self.seam):
+            written = written[len(self.seam) :]
+        return text + written
+
+    def proposal(self, text: bytes, proposed: bytes) -> int:
+        """The other side's next token (its text `proposed`, after answer `text`) as one token of
+        this side, or -1 when it is none or several (then there is nothing to tie with)."""
+        if not proposed or complete_utf8(proposed) != len(proposed):
+            return -1
+        ids = self._tokenize(((b"" if text else self.seam) + proposed).decode("utf-8"))
+        return ids[0] if len(ids) == 1 else -1
+
+    def reconcile(self, held: Sequence[int], text: bytes) -> tuple[int, list[int]]:
+        """Bring answer tokens `held` (what a KV cache holds) to `text`: (how many of them to keep,
+        the tokens to append after those). The rollback of a partial last token is the keep."""
+        target = self.tokens(text)
+        keep = common_prefix(held, target)
+        return keep, target[keep:]

@@ -1,0 +1,482 @@
+"""Text mode (protocol v3, issue 19): token routing across vocabularies.
+
+The rule (shared/text_history.py) unit-tested with both real tokenizers (SmolLM2, Gemma-3), then
+end to end with real models and real loopback servers over a real WebSocket: the same model
+forced into text mode changes nothing, the mixed pair (SmolLM2 on the device, Gemma-3 in the
+cloud) routes with the cloud's text, rollbacks across token boundaries, and a lost cloud."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from cloud_server.local import LocalCloudServer
+from edge_client.answer import Answer
+from edge_client.cloud_link import CloudLink, CloudRejected, CloudText
+from edge_client.strategies import Turn
+from edge_client.writer import AnswerWriter
+from models.registry import model_info
+from shared.decision import AnswerRule, ClauseEnds, OverruledShare
+from shared.llama_backend import LlamaModel
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    Accept,
+    Error,
+    ErrorCode,
+    Hello,
+    ProtocolError,
+    Reject,
+    SamplingParams,
+    Sync,
+    TextGenerate,
+    TextReply,
+    TextRollback,
+    TextSync,
+    decode,
+    encode,
+)
+from shared.routing_log import read
+from shared.sampling import Sampler
+from shared.text_history import SPAN_TOKENS, UTF8_EXTRA, AnswerText, complete_utf8, span_done, starts_word
+from tests.conftest import ROOT, chat
+from tests.helpers import agree_up_to_a_tie, make_generator, reference_greedy
+
+GEMMA = "gemma3-270m"
+
+
+@pytest.fixture(scope="module")
+def edge_model(edge_info):
+    model = LlamaModel(edge_info)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_info():
+    return model_info(GEMMA)
+
+
+@pytest.fixture(scope="module")
+def views(edge_info, gemma_info):
+    """(SmolLM2's view, Gemma's view) of answer text: tokenizers only."""
+    smol, gemma = LlamaModel(edge_info, vocab_only=True), LlamaModel(gemma_info, vocab_only=True)
+    yield smol, AnswerText.for_model(smol), gemma, AnswerText.for_model(gemma)
+    smol.close()
+    gemma.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_server():
+    with LocalCloudServer(model=GEMMA) as server:
+        yield server
+
+
+def pieces(model: LlamaModel, tokens: list[int]) -> list[bytes]:
+    return [model.token_bytes(t) for t in tokens]
+
+
+# --------------------------------------------------------------------------- the rule, unit by unit
+
+
+def test_whole_characters():
+    jp = "日本".encode()  # 3 bytes each
+    assert complete_utf8(b"") == 0 and complete_utf8(b"abc") == 3
+    assert [complete_utf8(jp[:n]) for n in range(7)] == [0, 0, 0, 3, 3, 3, 6]
+    e = "é".encode()
+    assert complete_utf8(b"x" + e[:1]) == 1 and complete_utf8(b"x" + e) == 3
+    emoji = "🙂".encode()  # 4 bytes
+    assert [complete_utf8(emoji[:n]) for n in range(5)] == [0, 0, 0, 0, 4]
+
+
+def test_span_rule():
+    """At least one token; stop before a token that starts a word (or ends the answer), or at the
+    cap; never inside a character, up to UTF8_EXTRA tokens past the cap."""
+    assert starts_word(b" the") and starts_word(b",") and starts_word(b"\n") and not starts_word(b"is")
+    assert not starts_word(b"")
+    assert span_done(b" Par", 1, SPAN_TOKENS, b" is") and not span_done(b" Par", 1, SPAN_TOKENS, b"is")
+    assert span_done(b" Paris", 2, SPAN_TOKENS, None), "the answer ends next: stop"
+    assert span_done(b" a b c d", SPAN_TOKENS, SPAN_TOKENS, b"x"), "the cap"
+    half = "日".encode()[:2]
+    assert not span_done(b" " + half, 1, SPAN_TOKENS, b" x"), "inside a character: go on even before a word"
+    assert not span_done(b" " + half, SPAN_TOKENS + UTF8_EXTRA - 1, SPAN_TOKENS, b" x")
+    assert span_done(b" " + half, SPAN_TOKENS + UTF8_EXTRA, SPAN_TOKENS, b" x"), "then give up (cut later)"
+    assert not span_done(b" a", 1, 8, b" b", at_word=False) and span_done(b" a", 8, 8, b"b", at_word=False)
+
+
+def test_a_cloud_token_that_splits_a_device_token(views):
+    """Gemma writes "hél" (its tokens " h", "él"): SmolLM2's tokenization of "hél" is "h", "é",
+    "l". Then Gemma's "lo": SmolLM2 tokenizes "héllo" as "h", "é", "llo": the device's last
+    token "l" is rolled back (a token the new text extends), the rest kept."""
+    smol, sv, gemma, gv = views
+    assert pieces(gemma, gv.tokens("hél".encode())) == [b" h", "él".encode()]
+    held = sv.tokens("hél".encode())
+    assert pieces(smol, held) == [b"h", "é".encode(), b"l"]
+    keep, add = sv.reconcile(held, "héllo".encode())
+    assert keep == 2 and pieces(smol, add) == [b"llo"]
+    assert held[:keep] + add == sv.tokens("héllo".encode())
+    # and the device's " wor" extended by the cloud's "ld! How"
+    held = sv.tokens(b"Hello wor")
+    keep, add = sv.reconcile(held, b"Hello world! How")
+    assert keep == 1 and pieces(smol, add) == [b" world", b"!", b" How"]
+    # a change below the end: everything from the first differing token goes
+    keep, add = sv.reconcile(sv.tokens(b"Hello world! How"), b"Hello there")
+    assert keep == 1 and pieces(smol, add) == [b" there"]
+
+
+def test_a_multibyte_character_split_across_tokens(views):
+    """SmolLM2 spells "日本語" in six byte-level tokens, three of them partial characters; Gemma in
+    two. The text of a token prefix may end inside a character: only whole characters are text
+    (`complete_utf8`), and both sides' tokens of the whole text spell it back exactly."""
+    smol, sv, gemma, gv = views
+    text = "日本語".encode()
+    ids = sv.tokens(text)
+    assert len(ids) == 6 and sv.text_of(ids) == text and gv.text_of(gv.tokens(text)) == text
+    partial = [sv.text_of(ids[:n]) for n in range(1, 6)]
+    assert [complete_utf8(p) == len(p) for p in partial] == [False, True, True, False, False]
+    assert [complete_utf8(p) for p in partial] == [0, 3, 6, 6, 6]
+    assert sv.proposal(b"", smol.token_bytes(ids[0])) == -1, "a partial character is no proposal"
+    assert sv.proposal(b"x", b" world") == sv.tokens(b" world")[0]
+    assert gv.proposal(b"x", b" Hello world") == -1, "two tokens: nothing to tie with"
+
+
+def test_special_tokens_and_chat_templates_of_both_models(views):
+    """The answer is plain text on both sides: a spelled-out control token stays text (no
+    end-of-turn, no turn start); each template lives in the prompt only. SmolLM2 has a chat
+    template ending in a newline (no seam); Gemma-3 base has none: its prompt ends "Assistant:"
+    and it reads the answer after a space (the seam), which a space it writes first is not."""
+    smol, sv, gemma, gv = views
+    for model, view, spelled in ((smol, sv, "<|im_end|>"), (gemma, gv, "<start_of_turn>")):
+        text = f"say {spelled} now".encode()
+        ids = view.tokens(text)
+        assert not any(model.is_eog(t) for t in ids) and view.text_of(ids) == text
+        assert model.tokenize(spelled, parse_special=True) != model.tokenize(spelled, parse_special=False)
+        assert model.is_eog(model.eog_token)
+    assert smol.render_chat(chat("hi")).endswith("<|im_start|>assistant\n") and sv.seam == b""
+    assert not gemma.has_chat_template and gemma.render_chat(chat("hi")).endswith("\nAssistant:")
+    assert gv.seam == b" " and pieces(gemma, gv.tokens(b"The end")) == [b" The", b" end"]
+    assert gv.join(b"", b" I am") == b"I am" and gv.join(b"I", b" am") == b"I am"
+    assert gv.text_of(gv.tokens(b"I am")) == b"I am" and gv.tokens(b"") == []
+    assert gv.proposal(b"", b"The") == gv.tokens(b"The")[0], "at the answer's start the seam goes in front"
+
+
+def test_protocol_v3_messages_round_trip_and_are_checked():
+    for msg in (
+        TextSync(byte_position=3, text="héllo"),
+        TextGenerate(request_id=1, byte_position=0, text="", proposed_text=" the", hidden=np.ones(4, np.float16)),
+        TextReply(request_id=1, byte_position=5, text=" 日本", n_tokens=2, logprob=-1.5, compute_ms=2.0, passes=1),
+        TextRollback(byte_position=2),
+    ):
+        back = decode(encode(msg))
+        assert type(back) is type(msg) and back.type == msg.type
+        assert all(
+            np.array_equal(getattr(back, f), getattr(msg, f)) if f == "hidden" else getattr(back, f) == getattr(msg, f)
+            for f in msg.__dataclass_fields__
+        )
+    hello = Hello(version=3, api_key="k", edge_model="e", tokenizer="t", messages=[], text_mode="sometimes")
+    with pytest.raises(ProtocolError, match="text_mode"):
+        decode(encode(hello))
+    with pytest.raises(ProtocolError, match="byte_position"):
+        decode(json.dumps({"type": "text_sync", "byte_position": -1, "text": ""}))
+    assert PROTOCOL_VERSION == 3
+
+
+# --------------------------------------------------------------------------- over the wire
+
+
+def _hello(server: LocalCloudServer, info, text_mode: str, question: str = "what is the capital of france") -> str:
+    return encode(
+        Hello(
+            version=PROTOCOL_VERSION,
+            api_key=server.api_key,
+            edge_model=info.fingerprint,
+            tokenizer=info.tokenizer_fingerprint,
+            messages=chat(question),
+            text_mode=text_mode,
+        )
+    )
+
+
+def test_mixed_pair_negotiates_text_mode_and_refuses_it_when_not_offered(gemma_server, edge_info):
+    with connect(gemma_server.url) as ws:
+        ws.send(_hello(gemma_server, edge_info, "never"))
+        reply = decode(ws.recv(timeout=30))
+        assert isinstance(reply, Reject) and reply.code == ErrorCode.VOCAB_MISMATCH and "text mode" in reply.reason
+    link = CloudLink(gemma_server.url, gemma_server.api_key)
+    with pytest.raises(CloudRejected):
+        link.open(edge_info, chat("hi"), [1, 2, 3], SamplingParams())  # a v2-style device: tokens only
+    with connect(gemma_server.url) as ws:
+        ws.send(_hello(gemma_server, edge_info, "auto"))
+        acc = decode(ws.recv(timeout=30))
+        assert isinstance(acc, Accept) and acc.mode == "text" and acc.version == 3
+        assert acc.capabilities == ["generate"] and acc.max_verify_tokens == 0
+        ws.send(encode(Sync(position=acc.n_prompt, tokens=[1])))
+        err = decode(ws.recv(timeout=30))
+        assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER, "token messages in a text session"
+        ws.send(encode(TextSync(byte_position=0, text="The")))
+        ws.send(encode(TextSync(byte_position=0, text="The")))  # a duplicate: out of order
+        err = decode(ws.recv(timeout=30))
+        assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER and "3 bytes" in err.message
+
+
+def test_same_tokenizer_stays_on_tokens_unless_text_is_forced(same_model_server, edge_info):
+    for text_mode, expected in (("auto", "tokens"), ("never", "tokens"), ("always", "text")):
+        with connect(same_model_server.url) as ws:
+            ws.send(_hello(same_model_server, edge_info, text_mode))
+            acc = decode(ws.recv(timeout=30))
+            assert isinstance(acc, Accept) and acc.mode == expected
+            if expected == "tokens":
+                assert acc.capabilities == ["generate", "guess", "verify"]
+            ws.send(
+                encode(TextSync(byte_position=0, text="x"))
+                if expected == "tokens"
+                else encode(Sync(position=0, tokens=[1]))
+            )
+            err = decode(ws.recv(timeout=30))
+            assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER
+
+
+def _span(ws, request_id: int, byte_position: int, text: str = "") -> TextReply:
+    ws.send(encode(TextGenerate(request_id=request_id, byte_position=byte_position, text=text)))
+    while True:
+        reply = decode(ws.recv(timeout=60))
+        if isinstance(reply, TextReply):
+            assert reply.final and reply.byte_position == byte_position + len(text.encode())
+            return reply
+        assert not isinstance(reply, Error), reply
+
+
+def test_cloud_rolls_back_across_a_token_boundary(gemma_server, gemma_info, edge_info):
+    """After a rollback into the middle of one of its tokens ("...F|rance"), the cloud's span is
+    what Gemma alone writes after its own tokens of the cut text: its KV cache dropped the cut
+    token and decoded the canonical tokens instead (a stale cache entry would change the text).
+    Each span follows the rule: whole characters, at least one and at most SPAN_TOKENS tokens,
+    ending where Gemma's next token starts a new word unless capped."""
+    question = "what is the capital of france"
+    g = LlamaModel(gemma_info, vocab_only=True)
+    view = AnswerText.for_model(g)
+    try:
+        with connect(gemma_server.url) as ws:
+            ws.send(_hello(gemma_server, edge_info, "auto", question))
+            assert decode(ws.recv(timeout=30)).mode == "text"
+            text = "The capital of France is"
+            ws.send(encode(TextSync(byte_position=0, text=text)))
+            for cut in (len("The capital of Fr"), len("The capital of"), len("The cap")):
+                ws.send(encode(TextRollback(byte_position=cut)))
+                text = text[:cut]
+                reply = _span(ws, cut, cut)
+                assert 1 <= reply.n_tokens <= SPAN_TOKENS and not reply.eog
+                prefix = view.tokens(text.encode())
+                alone = reference_greedy(gemma_info, chat(question), len(prefix) + reply.n_tokens + 1, prefix=prefix)
+                written = b"".join(g.token_bytes(t) for t in alone[len(prefix) : len(prefix) + reply.n_tokens])
+                assert written == reply.text.encode(), (text, reply.text, written)
+                following = g.token_bytes(alone[len(prefix) + reply.n_tokens])
+                assert reply.n_tokens == SPAN_TOKENS or starts_word(following), (reply.text, following)
+                ws.send(encode(TextRollback(byte_position=cut)))  # back to the cut text
+    finally:
+        g.close()
+
+
+# --------------------------------------------------------------------------- the device's side
+
+
+def _turn(gen, edge: LlamaModel, prompt: list[int]) -> Turn:
+    """A Turn as RoutedGenerator._generate builds it (for driving `take_text` directly)."""
+    answer = Answer(policy="router")
+    return Turn(
+        model=edge,
+        decoder=gen.decoder,
+        router=gen.router,
+        policy=gen.policy,
+        rule=AnswerRule(gen.opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog)),
+        cloud=gen.cloud,
+        sampler=Sampler(gen.opts.sampling()),
+        opts=gen.opts,
+        out=AnswerWriter(edge, answer, len(prompt)),
+        clause_ends=ClauseEnds(edge.token_bytes, edge.is_eog),
+        overruled=OverruledShare(),
+        max_tokens=64,
+        text=gen.answer_text,
+        prompt_len=len(prompt),
+    )
+
+
+def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model):
+    """The device holds "Hello wor" (its last token " wor"); the cloud's text "ld! How" arrives.
+    The device's history becomes its own tokens of "Hello world! How" (" wor" rolled back), its KV
+    cache follows (the next logits equal, bit for bit, those of a device that never held " wor"
+    and decoded in the same batches: llama.cpp's kernels depend on the batch split), and the
+    released text is the cloud's, routed cloud."""
+    gen = make_generator(edge_model, None, mode="edge")
+    fresh = make_generator(edge_model, None, mode="edge")
+    try:
+        prompt = edge_model.chat_tokens(chat("say hello"))
+        view = gen.answer_text
+        gen.decoder.set_history(prompt + view.tokens(b"Hello wor"))
+        gen.decoder.next_distribution()  # " wor" is in the KV cache
+        turn = _turn(gen, edge_model, prompt)
+        turn.take_text(CloudText(b"ld! How", 3, -1.0, False), 0.9)
+        assert gen.decoder.history == prompt + view.tokens(b"Hello world! How")
+        assert gen.decoder._n_decoded == len(prompt) + 1, "the cache kept 'Hello' and dropped ' wor'"
+        logits = gen.decoder.next_distribution()[0].copy()
+        # a device that never held " wor", decoding in the same batches ("Hello", then the rest)
+        fresh.decoder.set_history(prompt + view.tokens(b"Hello"))
+        fresh.decoder.next_distribution()
+        fresh.decoder.set_history(prompt + view.tokens(b"Hello world! How"))
+        np.testing.assert_array_equal(logits, fresh.decoder.next_distribution()[0])
+        a = turn.answer
+        assert b"".join(edge_model.token_bytes(t) for t in a.tokens) == b"ld! How" and set(a.routes) == {"cloud"}
+        assert a.scores[0] == 0.9 and all(s is None for s in a.scores[1:])
+        turn.take_text(CloudText(b"", 1, -0.1, True), None)
+        assert turn.finished() and a.tokens[-1] == edge_model.eog_token, "the cloud's end of answer ends it"
+    finally:
+        gen.close()
+        fresh.close()
+
+
+LONG_QUESTIONS = [
+    "explain how vaccines work",
+    "tell me a fun fact about octopuses",
+    "how do you say hello in japanese",
+    "how do i reset my wifi router",
+]
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model_server, threshold):
+    """The same GGUF on both sides, text mode forced (`text_mode="always"`), greedy, long answers:
+    with threshold 0 every position is asked (the cloud writes spans of its own tokens, the
+    device re-tokenizes each), and the text is the device's alone, byte for byte."""
+    edge_only = make_generator(edge_model, None, mode="edge")
+    gen = make_generator(edge_model, same_model_server, threshold=threshold, text_mode="always", timeout_s=10.0)
+    try:
+        routed = 0
+        for q in LONG_QUESTIONS:
+            expected = edge_only.generate(chat(q), max_tokens=80)
+            a = gen.generate(chat(q), max_tokens=80)
+            assert a.shared_history == "text" and not a.degraded and a.cloud_capabilities == ["generate"]
+            assert a.text == expected.text, q
+            assert a.n_tokens == expected.n_tokens
+            routed += a.n_cloud_tokens
+            if threshold == 0.0:
+                assert a.n_cloud_tokens == a.n_tokens and a.round_trips < a.n_tokens, "spans of several tokens"
+        assert routed >= (200 if threshold == 0.0 else 1)
+    finally:
+        gen.close()
+        edge_only.close()
+
+
+def test_mixed_pair_routes_with_the_clouds_text(edge_model, edge_info, gemma_server, gemma_info):
+    """SmolLM2 on the device, Gemma-3 in the cloud: no refusal, text mode, cloud text in the
+    answer; with policy `cloud` the answer is exactly Gemma's own greedy text (the seam's space
+    left out), so the text path carries the cloud's tokens faithfully."""
+    gen = make_generator(edge_model, gemma_server, threshold=0.3, timeout_s=10.0)
+    cloud_gen = make_generator(edge_model, gemma_server, mode="cloud", timeout_s=10.0)
+    gemma = LlamaModel(gemma_info, vocab_only=True)
+    try:
+        cloud_pieces = 0
+        for q in ("explain how vaccines work", "how do you say hello in japanese"):
+            a = gen.generate(chat(q), max_tokens=48)
+            assert a.shared_history == "text" and not a.degraded and a.cloud_mode == "per-token"
+            assert a.n_cloud_tokens > 0 and a.round_trips > 0
+            cloud_pieces += a.n_cloud_tokens
+            c = cloud_gen.generate(chat(q), max_tokens=24)
+            assert c.shared_history == "text" and set(c.routes) == {"cloud"} and c.round_trips == 1
+            alone = b"".join(gemma.token_bytes(t) for t in reference_greedy(gemma_info, chat(q), 40))
+            assert alone.startswith(b" ")
+            assert alone[1:].startswith(c.text.encode()), (c.text, alone)
+        assert cloud_pieces > 2
+    finally:
+        gemma.close()
+        gen.close()
+        cloud_gen.close()
+
+
+def test_mixed_pair_falls_back_to_the_device_when_the_cloud_is_lost(edge_model, edge_info):
+    """kill -9 of the Gemma server right after the first cloud text: the device finishes alone
+    (degraded), every later token is its own, the hard positions after the loss are marked as
+    fallbacks, and its continuation is what SmolLM2 alone writes after its own tokens of the
+    answer text so far (the cloud's text included; up to a near-tie)."""
+    q = "explain how vaccines work"
+    server = LocalCloudServer(model=GEMMA).start()
+    gen = make_generator(edge_model, server, threshold=0.3, timeout_s=3.0)
+    killed = threading.Event()
+
+    def kill_at_first_cloud_text(ev) -> None:
+        if ev.route == "cloud" and not killed.is_set():
+            killed.set()
+            server.kill()
+
+    try:
+        a = gen.generate(chat(q), max_tokens=48, on_token=kill_at_first_cloud_text)
+        assert killed.is_set() and a.degraded and a.shared_history == "text"
+        assert a.n_tokens == 48 or a.finish_reason == "stop"
+        k = len(a.routes) - a.routes[::-1].index("cloud")  # after the last cloud token
+        assert k < a.n_tokens and "cloud" not in a.routes[k:]
+        flags = [t.fallback for t in read(a.routing_log)]
+        assert any(flags[k:]), "hard positions after the loss are written by the device, as fallbacks"
+        assert [s >= 0.3 for s in a.scores[k:] if s is not None] == flags[k:]
+        so_far = edge_model.tokenize(edge_model.detokenize(a.tokens[:k]), parse_special=False)
+        mine = so_far + a.tokens[k:]
+        alone = reference_greedy(edge_info, chat(q), len(mine), prefix=so_far)
+        assert agree_up_to_a_tie(edge_info, chat(q), mine, alone), (a.text, edge_model.detokenize(alone))
+    finally:
+        gen.close()
+        server.stop()
+
+
+def test_cli_ask_with_the_mixed_pair():
+    """The command of issue 19: routes with cloud text present, no refusal, the mode in the JSON."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge_client.cli",
+            "ask",
+            "explain how vaccines work",
+            "--edge-model",
+            "smollm2-135m-q3_k_s",
+            "--cloud-model",
+            GEMMA,
+            "--cloud",
+            "local",
+            "--json",
+            "--max-tokens",
+            "48",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    a = json.loads(out.stdout)
+    assert a["shared_history"] == "text" and not a["degraded"] and a["n_cloud_tokens"] > 0
+    assert a["cloud_capabilities"] == ["generate"] and a["cloud_mode"] == "per-token"
+    assert a["cloud_model_name"] == GEMMA
+
+
+def test_eval_reports_the_mixed_pairs_curve():
+    """`tokenrouter-train eval` with the mixed pair runs the text-mode replay: a curve in cloud
+    bytes and the cloud model's NLL per byte; edge-only writes no cloud bytes, cloud-only all
+    of them, and the cloud model finds its own text more likely than the device's."""
+    from models.train.text_eval import TextEvalOptions, evaluate_text
+
+    r = evaluate_text(
+        ["what is the capital of france", "how do i reset my wifi router"],
+        TextEvalOptions("smollm2-135m-q3_k_s", GEMMA, fractions=(0.3,), max_tokens=16),
+    )
+    pts = r["points"]
+    assert r["mode"] == "text" and set(pts) == {"edge-only", "cloud-only", "entropy", "random"}
+    assert pts["edge-only"][0]["cloud_bytes"] == 0.0 and pts["cloud-only"][0]["cloud_bytes"] == 1.0
+    assert pts["cloud-only"][0]["nll_per_byte"] < pts["edge-only"][0]["nll_per_byte"]
+    assert all(0 < p["cloud_bytes"] <= 1 for m in ("entropy", "random") for p in pts[m])
+    assert set(r["gap_recovered_at_30_bytes"]) == {"entropy", "random"}
