@@ -383,27 +383,7 @@ Message = Union[
     Close,
     Error,
 ]
-MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls
-    for cls in (
-        Hello,
-        Accept,
-        Reject,
-        Sync,
-        Generate,
-        Tokens,
-        Next,
-        Verify,
-        Verdict,
-        Rollback,
-        TextSync,
-        TextGenerate,
-        TextReply,
-        TextRollback,
-        Close,
-        Error,
-    )
-}
+MESSAGE_TYPES: dict[str, type] = {cls.type: cls for cls in get_args(Message)}  # every message, by its "type"
 _HINTS = {cls: get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 
 # --------------------------------------------------------------------------- encoding
