@@ -219,6 +219,9 @@ class CloudEngine:
         """Text mode (protocol v3): this model's view of the shared answer text."""
         return self._answer_text
 
+    def eog_token(self) -> int:
+        return self.model.eog_token
+
     def peek(self, handle: int) -> int:
         """The argmax of the logits a prefill kept for the next position, or -1 when none describe
         the history. Nothing is written or promised (text mode's span rule looks ahead with it)."""

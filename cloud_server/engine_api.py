@@ -157,6 +157,10 @@ class TextEngine(Engine, Protocol):
         """The model's view of the shared answer text (shared/text_history.py)."""
         ...
 
+    def eog_token(self) -> int:
+        """The model's end-of-generation token (text mode's check judges a drafted end with it)."""
+        ...
+
     def peek(self, handle: int) -> int:
         """The most likely next token from the logits a prefill kept, without writing or promising
         it (-1: none kept). The span rule looks at it to stop before a new word."""

@@ -44,6 +44,7 @@ from cloud_server.text_session import SpanPiece, TextSession
 from shared.model_info import ModelInfo
 from shared.protocol import (
     CAP_GENERATE,
+    CAP_VERIFY,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     WORK_FIELDS,
@@ -62,6 +63,8 @@ from shared.protocol import (
     TextReply,
     TextRollback,
     TextSync,
+    TextVerdict,
+    TextVerify,
     Tokens,
     Verdict,
     Verify,
@@ -164,13 +167,15 @@ class Connection:
         st = self.session
         if st is None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"first message must be hello, got {msg.type}")
-        if isinstance(msg, (TextSync, TextGenerate, TextRollback)):
+        if isinstance(msg, (TextSync, TextGenerate, TextRollback, TextVerify)):
             if self.text is None:
                 raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} in a session that shares tokens, not text")
             if isinstance(msg, TextSync):
                 return await self._text_sync(st, self.text, msg)
             if isinstance(msg, TextGenerate):
                 return await self._text_generate(st, self.text, msg)
+            if isinstance(msg, TextVerify):
+                return await self._text_verify(st, self.text, msg)
             return await self._text_rollback(self.text, msg)
         if self.text is not None and isinstance(msg, (Sync, Generate, Verify, Rollback)):
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} in a text-mode session: use text_* messages")
@@ -240,7 +245,7 @@ class Connection:
             SessionGuard(key, self.services.abuse_warmup_tokens),
             self.services.audit.start(session_id, key.name, len(prompt)),
         )
-        if text_mode:  # what text mode supports (docs/protocol.md): hard positions only, for now
+        if text_mode:  # what text mode supports (docs/protocol.md): hard positions, and the check where the engine can
             self.text = TextSession(self.worker, cast(TextEngine, self.engine), handle, len(prompt))
         await self.send(
             Accept(
@@ -251,8 +256,8 @@ class Connection:
                 prompt_hash=token_hash(prompt),
                 max_message_bytes=self.config.max_message_bytes,
                 version=min(msg.version, PROTOCOL_VERSION),
-                capabilities=[CAP_GENERATE] if text_mode else self.caps.names(),
-                max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify and not text_mode else 0,
+                capabilities=[CAP_GENERATE] + [CAP_VERIFY] * self.caps.verify if text_mode else self.caps.names(),
+                max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify else 0,
                 mode="text" if text_mode else "tokens",
             )
         )
@@ -533,6 +538,71 @@ class Connection:
         except Exception:
             # nothing sent: the request leaves the answer as it was (the device may retry there);
             # else the answer keeps what was sent, and the engine's history follows it again
+            await text.rollback(len(text.text) if sent else msg.byte_position)
+            raise
+
+    async def _text_verify(self, st: SessionState, text: TextSession, msg: TextVerify) -> None:
+        """The cloud's check in text mode: judge the drafted text, keep it up to the first
+        rejected cloud token, then the cloud's span from there (cloud_server/text_session.py)."""
+        if not self.caps.verify:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text_verify is not supported by this server's engine ({self.caps.name}); use text_generate",
+            )
+        self._check_bytes(text, "text_verify", msg.byte_position)
+        if msg.max_tokens > self.config.max_tokens_per_request:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
+                field="max_tokens",
+            )
+        self._admit_hard_tokens(st, 1)
+        flagged = list(zip(msg.check[::2], msg.check[1::2]))
+        drafted = msg.text.encode()
+        n0 = len(self.engine.history(st.handle))  # the shared text's tokens (the kept drafts' come after)
+        sent = False
+
+        async def emit(piece: SpanPiece, kept: int) -> None:
+            nonlocal sent
+            history = self.engine.history(st.handle)
+            base = len(history) - len(piece.tokens)
+            self._device_tokens(st, n0, history[min(n0, base) : base])  # the kept drafts, in cloud tokens
+            for i, token in enumerate(piece.tokens):
+                self._cloud_token(st, base + i, token)
+            self.cloud_tokens += len(piece.tokens)
+            prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
+            work = self._take_work(st)
+            await self.send(
+                TextVerdict(
+                    **vars_of(work),
+                    request_id=msg.request_id,
+                    byte_position=msg.byte_position,
+                    accepted_bytes=kept,
+                    text=piece.text.decode("utf-8"),
+                    n_tokens=len(piece.tokens),
+                    logprob=piece.logprob,
+                    compute_ms=piece.compute_s * 1000.0,
+                    eog=piece.eog,
+                    prefill_ms=prefill_ms,
+                )
+            )
+            sent = True
+
+        try:
+            with engine_errors():
+                await text.check(
+                    drafted,
+                    flagged,
+                    msg.tolerance,
+                    msg.eog,
+                    msg.check_eog,
+                    msg.max_tokens,
+                    self.caps.max_verify_tokens,
+                    lambda: self._admit_hard_tokens(st, 1),
+                    emit,
+                )
+        except Exception:
+            # nothing sent: the answer is as it was (the device's drafts stand); else as sent
             await text.rollback(len(text.text) if sent else msg.byte_position)
             raise
 

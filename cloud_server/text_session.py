@@ -12,6 +12,12 @@ model: the tie rule of shared/decision.py), the others until `span_done` says st
 whether the next token starts a new word, the engine decodes the token just written (the
 decode the next sync's prefill would make) and peeks at its most likely successor.
 
+The cloud's check (`text_verify`, `check`): the drafted text's tokens under this model's
+tokenizer (shared/text_history.py, `plan_check`) are judged in one batched pass by the engine's
+`verify` (shared/decision.py's `judge_draft` per token); the answer keeps the drafted bytes up to
+the first rejected token, and the cloud writes its span from there, opening it with the token the
+pass chose at the rejection when the cut falls on that token's start.
+
 The connection (cloud_server/session.py) checks positions and does the accounting; this module
 only moves the text and the engine's history. It runs only on an engine that can
 (`Capabilities.text`: the embedded llama.cpp engine).
@@ -22,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from cloud_server.engine_api import TextEngine, Worker
-from shared.text_history import SPAN_TOKENS, complete_utf8, span_done
+from cloud_server.engine_api import GenerateResult, NotSupported, TextEngine, Worker
+from shared.text_history import SPAN_TOKENS, complete_utf8, plan_check, span_done
 
 
 @dataclass(slots=True)
@@ -76,17 +82,21 @@ class TextSession:
         at_word: bool,
         admit: Callable[[], None],
         emit: Callable[[SpanPiece], Awaitable[None]],
+        first: GenerateResult | None = None,
     ) -> None:
         """Write the cloud's span after the text (shared/text_history.py, `span_done`), handing
         the text to `emit`: once (a span), or piece by piece with `at_word` False (a stream).
         `admit` is called before each token after the first (quotas; it may raise). On an error
-        the engine's history may hold tokens of no emitted text: the caller rolls back."""
+        the engine's history may hold tokens of no emitted text: the caller rolls back. `first`: the
+        span's first token, already in the engine's history (a check's choice at its rejection)."""
         engine, worker, handle = self.engine, self.worker, self.handle
         written = bytearray()  # this piece's bytes (the seam not yet removed)
         tokens: list[int] = []
         logprob = compute = 0.0
         eog = False
-        result = await worker.generate(handle, self.view.proposal(self.text, proposed_text.encode()))
+        if first is None:
+            first = await worker.generate(handle, self.view.proposal(self.text, proposed_text.encode()))
+        result = first
         n = 0
         while True:
             n += 1
@@ -127,6 +137,63 @@ class TextSession:
             result = await worker.generate(handle)
         whole = written[: complete_utf8(written)]  # trailing bytes of an unfinished character are dropped
         await self._emit(emit, whole, tokens, logprob, compute, final=True, eog=eog)
+
+    async def check(
+        self,
+        drafted: bytes,
+        flagged: list[tuple[int, int]],
+        tolerance: float,
+        eog: bool,
+        check_eog: bool,
+        max_tokens: int,
+        max_verify_tokens: int,
+        admit: Callable[[], None],
+        emit: Callable[[SpanPiece, int], Awaitable[None]],
+    ) -> None:
+        """The cloud's check of `drafted` (whole characters) after the text (module docstring):
+        hands `emit` the span written after the kept bytes (empty when all were kept) and how
+        many drafted bytes were kept. On an error the caller rolls back to the text before."""
+        engine, worker, handle = self.engine, self.worker, self.handle
+        history = engine.history(handle)
+        try:
+            plan = await worker.call(
+                plan_check,
+                self.view,
+                history[self.n_prompt :],
+                self.text,
+                drafted,
+                flagged,
+                engine.eog_token() if eog else -1,
+                check_eog,
+            )
+        except ValueError as exc:
+            raise NotSupported(f"text_verify: {exc}") from None
+        if len(plan.drafts) > max_verify_tokens:
+            raise NotSupported(f"text_verify: at most {max_verify_tokens} of the cloud's tokens per check")
+        if self.n_prompt + plan.keep < len(history):
+            await worker.call(engine.rollback, handle, self.n_prompt + plan.keep)
+        engine.append(handle, plan.context)
+        r = await worker.call(engine.verify, handle, plan.drafts, plan.exact, False, tolerance)
+        check_s = r.compute_ms / 1000.0
+        if r.token < 0:  # all kept: the history follows the text (a drafted end is not history)
+            self.text += drafted
+            await self._follow()
+            await emit(SpanPiece(len(self.text), b"", [], 0.0, check_s, True, eog), len(drafted))
+            return
+        kept = plan.accepted_bytes(r.accepted)
+        self.text += drafted[:kept]
+        first = None
+        if plan.continues(r.accepted):  # the pass's choice at the rejection opens the span
+            first = GenerateResult(r.token, r.logprob, check_s)
+        else:  # the cut fell before that token: the cloud writes from the cut
+            await self._follow()
+
+        async def emit_kept(piece: SpanPiece) -> None:
+            if first is None:
+                piece.compute_s += check_s
+            await emit(piece, kept)
+
+        await self.span("", max_tokens, True, admit, emit_kept, first)
 
     async def _emit(
         self,

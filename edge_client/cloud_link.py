@@ -50,6 +50,8 @@ from shared.protocol import (
     TextReply,
     TextRollback,
     TextSync,
+    TextVerdict,
+    TextVerify,
     Tokens,
     Verdict,
     Verify,
@@ -446,6 +448,62 @@ class CloudLink:
         self.stats.round_trips += 1
         self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
         return out
+
+    def text_verify(
+        self,
+        drafted: bytes,
+        flagged: list[tuple[int, int]],
+        tolerance: float,
+        eog: bool = False,
+        check_eog: bool = False,
+        hidden: np.ndarray | None = None,
+        max_tokens: int = 4,
+    ) -> TextVerdict:
+        """The cloud's check of `drafted` text (whole characters; the text the cloud lacks, the
+        draft's included) with the router-`flagged` [start, end) byte ranges of it; `eog`: the
+        draft ends the answer. One round trip. Afterwards the cloud holds the kept drafted bytes
+        and the verdict's text (`held_text` follows)."""
+        request_id = self._next_request
+        self._next_request += 1
+        position = len(self.held_text)
+        self._send(
+            TextVerify(
+                request_id=request_id,
+                byte_position=position,
+                text=drafted.decode("utf-8"),
+                check=[b for r in flagged for b in r],
+                tolerance=tolerance,
+                eog=eog,
+                check_eog=check_eog,
+                max_tokens=max_tokens,
+                hidden=None if hidden is None else np.asarray(hidden, dtype=np.float16).reshape(-1),
+            )
+        )
+        t0 = time.perf_counter()
+        while True:
+            try:
+                reply = self._recv(self.timeout_s)
+            except CloudTimeout:
+                # Abandon it: the cloud finishes the check, then this rollback undoes what it kept.
+                self.consecutive_timeouts += 1
+                self.text_rollback(position)
+                raise
+            if self._stale_error(reply, request_id):
+                continue
+            if isinstance(reply, TextVerdict) and reply.request_id == request_id:
+                break
+        if reply.byte_position != position or not 0 <= reply.accepted_bytes <= len(drafted):
+            self.close_quietly()
+            raise CloudUnavailable(
+                f"text verdict at byte {reply.byte_position} keeping {reply.accepted_bytes} does not match the check"
+            )
+        self.held_text += drafted[: reply.accepted_bytes] + reply.text.encode("utf-8")
+        self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
+        self.stats.background_ms += reply.prefill_ms
+        self.stats.round_trips += 1
+        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
+        self.consecutive_timeouts = 0
+        return reply
 
     # ---------------------------------------------------------------- framing
 

@@ -35,7 +35,7 @@ from edge_client.cloud_link import (
     CloudUnavailable,
 )
 from shared.model_info import ModelInfo
-from shared.protocol import SamplingParams, Verdict
+from shared.protocol import SamplingParams, TextVerdict, Verdict
 from shared.sampling import Guess
 from shared.text_history import SPAN_TOKENS, AnswerText, common_prefix, complete_utf8
 
@@ -320,6 +320,59 @@ class CloudSession:
             pending = self._pending_text(history)
             return link.text_generate(pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS)
         except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
+            self.timeouts += 1
+            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
+                self.retire()
+                self.last_error = str(exc)
+            return None
+        except LinkErrors as exc:
+            self.lose(exc)
+            return None
+
+    def verify_text(
+        self,
+        history: list[int],
+        start: int,
+        flagged: list[bool],
+        tolerance: float,
+        eog: bool = False,
+        hidden: np.ndarray | None = None,
+    ) -> TextVerdict | None:
+        """Text mode, the cloud's check: the drafts history[start:] (their `flagged` by the router;
+        `eog`: the last one ends the answer) as text, with the flagged drafts' byte ranges. None:
+        the cloud could not answer (lost, slow, or no whole character drafted); the drafts stand.
+        The verdict's `byte_position + accepted_bytes` is where the kept answer text ends."""
+        link, view = self.link, self.answer_text
+        assert link is not None and view is not None
+        try:
+            pending = self._pending_text(history)  # the text the cloud lacks, the drafts' included
+            position = len(link.held_text)
+            if not pending and not eog:
+                return None
+            answer = history[self._prompt_len :]
+            first = start - self._prompt_len
+            # each draft's bytes, from the cloud's end of text (the drafted text's start)
+            ends = [len(view.text_of(answer[:n])) - position for n in range(first, len(answer) + 1)]
+            ranges: list[tuple[int, int]] = []
+            rows: list[int] = []  # which flagged draft each range is (its hidden row)
+            for i, hard in enumerate(flagged):
+                lo, hi = max(0, ends[i]), min(ends[i + 1], len(pending))
+                if hard and lo < hi:
+                    ranges.append((lo, hi))
+                    rows.append(sum(flagged[:i]))
+            verdict = link.text_verify(
+                pending,
+                ranges,
+                tolerance,
+                eog=eog,
+                check_eog=eog and flagged[-1],
+                hidden=hidden[rows] if hidden is not None and rows else None,
+                max_tokens=SPAN_TOKENS,
+            )
+            if not verdict.text and len(link.held_text) == ends[-1] + position:
+                self._covered = len(history)  # the cloud holds all of it (else the text that follows)
+            return verdict
+        except CloudTimeout as exc:  # slow, not gone: the link rolled the check back; the drafts stand
             self.timeouts += 1
             if link.consecutive_timeouts >= self.max_consecutive_timeouts:
                 self.retire()

@@ -14,8 +14,8 @@ it, protocol v2): without `verify` the check falls back to the per-token
 phase, without `guess` lookahead is off (`negotiated`); the answer says which
 mode it used (`cloud_mode`). Where the cloud's model tokenizes differently (or
 `text_mode` is "always") the session shares the answer as text (protocol v3):
-hard positions get the cloud's text span (`TextPerToken`), and the answer says
-so (`shared_history`: "text").
+hard positions get the cloud's text span (`TextPerToken`), the check judges
+each clause's text (`TextClauseCheck`), and the answer says so (`shared_history`: "text").
 
     with open_generator(GeneratorOptions(cloud="local")) as gen:
         answer = gen.generate([{"role": "user", "content": "Hi"}], on_token=print)
@@ -45,6 +45,7 @@ from edge_client.strategies import (
     PerToken,
     Span,
     Strategy,
+    TextClauseCheck,
     TextPerToken,
     TextStream,
     Turn,
@@ -269,8 +270,10 @@ class RoutedGenerator:
             return _DEVICE_ONLY  # a per-answer choice of the device: no router
         if not use_cloud or not turn.cloud.up:
             return self._per_token  # policy edge, or a lost cloud: the device finishes (fallbacks logged)
-        if turn.cloud.text:  # text mode: hard positions and streams only (docs/protocol.md)
-            return _TEXT_STREAM if mode == "cloud" else _TEXT_PER_TOKEN
+        if turn.cloud.text:  # text mode: hard positions, streams, and the check (docs/protocol.md)
+            if mode == "cloud":
+                return _TEXT_STREAM
+            return _TEXT_CHECK if turn.rule.checking else _TEXT_PER_TOKEN
         if mode == "cloud":
             return _STREAM
         if turn.rule.checking:
@@ -283,6 +286,7 @@ _STREAM = CloudStream()
 _CHECK = ClauseCheck()
 _TEXT_PER_TOKEN = TextPerToken()
 _TEXT_STREAM = TextStream()
+_TEXT_CHECK = TextClauseCheck()
 
 
 def negotiated(rule: RuleOptions, strategy: str, caps: list[str] | None) -> tuple[RuleOptions, str]:
@@ -335,7 +339,7 @@ def build_router(
     if spec in HeuristicRouter.KINDS:
         return HeuristicRouter(spec, n_vocab)
     if spec.endswith(".npz") or os.path.isfile(spec):
-        return load_router(spec, edge_info, on_mismatch=on_mismatch, n_vocab=n_vocab)
+        return load_router(spec, edge_info, on_mismatch=on_mismatch, n_vocab=n_vocab, cloud=cloud_model or None)
     raise ValueError(
         f"unknown router {spec!r}: use auto, one of {', '.join(HeuristicRouter.KINDS)} or a learned router file (.npz)"
     )

@@ -15,6 +15,8 @@ The generator (edge_client/generator.py) runs one strategy at a time over a
     TextPerToken text mode (protocol v3): PerToken's rule, a hard position gets the cloud's
                  text span, which the device re-tokenizes (shared/text_history.py)
     TextStream   text mode, policy `cloud`: the cloud writes the rest, streamed as text
+    TextClauseCheck  text mode, the cloud's check: ClauseCheck's draft, one `text_verify` judges
+                 the clause's text under the cloud's own tokenization
 
 Who writes each position is decided by shared/decision.py, the one copy of the
 rule; a strategy only carries the decision out over the network. Each `run`
@@ -102,15 +104,18 @@ class Turn:
             self.decoder.truncate(start + accepted)
             self.decoder.append(token)
 
-    def take_text(self, got: CloudText, score: float | None) -> None:
+    def take_text(self, got: CloudText, score: float | None, route: Route = "cloud", overruled: bool = False) -> None:
         """Text mode: the cloud's text joins the answer. The device re-tokenizes the answer and
         keeps its KV cache for the common token prefix (shared/text_history.py: a partial last
         token of its own is rolled back), and releases the text as its own tokens, routed cloud
-        (the first with the router's score); an end of the answer as its end-of-turn token.
+        (the first with the router's score; `route` "edge": the device's own text, `overruled`: the
+        first replaces a checked draft); an end of the answer as its end-of-turn token.
         Text past the answer's room (`max_tokens`) is left out, as the device alone would stop."""
         dec, view, start = self.decoder, self.text, self.prompt_len
         assert view is not None
-        pieces = self.model.tokenize(got.text.decode("utf-8"), parse_special=False) if got.text else []
+        # (text on the wire is whole characters; "ignore" only matters for the device's own kept text
+        # of a check, which may start inside a character its previous token left unfinished)
+        pieces = self.model.tokenize(got.text.decode("utf-8", "ignore"), parse_special=False) if got.text else []
         if got.eog:
             pieces.append(self.model.eog_token)
         text = got.text
@@ -124,7 +129,7 @@ class Turn:
         dec.history.extend(add)  # decoded when next needed (the KV cache follows lazily)
         self.cloud.text_taken(len(dec.history))
         for i, token in enumerate(pieces):
-            self.out.release(token, "cloud", score if i == 0 else None)
+            self.out.release(token, route, score if i == 0 else None, overruled=overruled and i == 0)
 
     def sync_eagerly(self) -> None:
         """Send the final device tokens the cloud lacks once there are `sync_every` of them."""
@@ -290,6 +295,86 @@ class TextPerToken:
         turn.write(proposed, "edge", score, fallback=step is Step.ASK and cloud.configured)
         rule.written(proposed)
         turn.sync_eagerly()
+
+
+class TextClauseCheck:
+    """Text mode, the cloud's check: ClauseCheck's draft (to a clause end and one token more,
+    nothing released before the verdict), then one `text_verify` of the clause's text with the
+    byte ranges the router flagged. The cloud judges its own tokens of the text
+    (shared/text_history.py, "The cloud's check"); the device keeps its answer text up to the
+    verdict's kept bytes (its drafts wholly inside them stay in its history), appends the cloud's
+    text and re-tokenizes (`Turn.take_text`). A draft the cut splits is released as the device's
+    text it kept. If the cloud is lost or slow, the drafts stand (flagged ones as fallbacks)."""
+
+    def run(self, turn: Turn) -> None:
+        dec, cloud, opts, view = turn.decoder, turn.cloud, turn.opts, turn.text
+        assert view is not None
+        start = len(dec.history)
+        cloud.sync(dec.history)  # the text not yet synced: the cloud prefills it while the device drafts
+        if not cloud.up:
+            return  # lost: the per-token phase finishes on the device
+        flagged: list[bool] = []
+        scores: list[float] = []
+        hard_hidden: list[np.ndarray] = []
+        room, past_clause_end = min(turn.room(), opts.check_max_draft), False
+        while True:
+            logits, hidden = dec.next_distribution()
+            proposed = turn.sampler.sample(logits)
+            score, hard = turn.flag(hidden, logits, proposed)
+            if hard:
+                hard_hidden.append(hidden.astype(np.float16))
+            flagged.append(hard)
+            scores.append(score)
+            dec.append(proposed)
+            if turn.stopped():
+                dec.truncate(start)  # interrupted: nothing of this clause is released
+                return
+            if past_clause_end or turn.model.is_eog(proposed) or len(scores) >= room:
+                break
+            past_clause_end = turn.clause_ends(proposed)
+        drafts = dec.history[start:]
+        eog = turn.model.is_eog(drafts[-1])
+        verdict = cloud.verify_text(
+            dec.history,
+            start,
+            flagged,
+            opts.check_nats,
+            eog=eog,
+            hidden=np.stack(hard_hidden) if hard_hidden else None,
+        )
+        release = turn.out.release
+        if verdict is None:
+            for token, score, flag in zip(drafts, scores, flagged):
+                release(token, "edge", score, fallback=flag)
+            return
+        answer = dec.history[turn.prompt_len :]
+        first = start - turn.prompt_len
+        ends = [len(view.text_of(answer[: first + i + 1])) for i in range(len(drafts))]
+        kept = verdict.byte_position + verdict.accepted_bytes
+        rejected = bool(verdict.text) or verdict.eog != eog or kept < ends[-1]
+        if not rejected:
+            for token, score, flag in zip(drafts, scores, flagged):
+                release(token, "cloud" if flag else "edge", score)
+            turn.policy.share_taken_elsewhere(turn.overruled.add(len(drafts), False))
+            return
+        # the drafts wholly kept (ending on a whole character, so the rest is text of its own)
+        j = sum(1 for i, e in enumerate(ends) if e <= kept and not (eog and i == len(drafts) - 1))
+        while j > 0 and complete_utf8(view.text_of(answer[: first + j])) != ends[j - 1]:
+            j -= 1
+        cut = min(j, len(drafts) - 1)  # the draft the cloud's text replaces (in part)
+        text = view.text_of(answer)
+        own = text[ends[j - 1] if j else len(view.text_of(answer[:first])) : kept]
+        dec.truncate(start + j)
+        for token, score, flag in zip(drafts[:j], scores, flagged):
+            release(token, "cloud" if flag else "edge", score)
+        if own:  # the kept part of a draft the cut splits: the device's text
+            turn.take_text(CloudText(own, 0, 0.0, False), scores[cut], route="edge")
+        overruled = not flagged[cut]
+        got = CloudText(verdict.text.encode("utf-8"), verdict.n_tokens, verdict.logprob, verdict.eog)
+        n_before = len(turn.answer.tokens)
+        turn.take_text(got, None if own else scores[cut], overruled=overruled)
+        n_cloud = len(turn.answer.tokens) - n_before
+        turn.policy.share_taken_elsewhere(turn.overruled.add(j + n_cloud, overruled and n_cloud > 0))
 
 
 class TextStream:

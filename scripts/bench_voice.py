@@ -5,6 +5,7 @@
     python scripts/bench_voice.py --pauses --n 30    # turn-taking: queries with mid-utterance pauses, and the
                                                      # fluent ones, each run with the defaults and silence-only
     python scripts/bench_voice.py --recognition --n 100 [--whisper-dir DIR]   # streaming final vs offline WER
+    python scripts/bench_voice.py --turn-study --n 50 --seeds 4   # the end-of-turn judge replayed offline
 
 Queries come from CLINC150 (Larson et al. 2019, CC BY 3.0), synthesised with
 the bundled Piper voice. Each query is one fresh single-turn dialogue with the
@@ -123,12 +124,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-wait-ms", type=int, default=None)
     ap.add_argument("--turn-threshold", type=float, default=None)
     ap.add_argument("--no-text-cue", action="store_true")
+    ap.add_argument(
+        "--judge-after-first-clause",
+        action="store_true",
+        help="Smart Turn only once the speculative answer's first clause is synthesised",
+    )
+    ap.add_argument(
+        "--unsure-word-prob",
+        type=float,
+        default=None,
+        help="a last word like 'that' or 'too' under this Whisper probability is mid-phrase (0: off)",
+    )
     ap.add_argument("--draft", action="store_true", help="draft the reply from partial transcripts")
     ap.add_argument("--partial-interval-ms", type=int, default=None)
     ap.add_argument(
         "--recognition", action="store_true", help="offline vs streaming-final WER only (no language model)"
     )
     ap.add_argument("--whisper-dir", default=None, help="with --recognition: also this CTranslate2 Whisper directory")
+    ap.add_argument(
+        "--turn-study",
+        action="store_true",
+        help="no language model: the end-of-turn judge replayed at every pause, transcript cue with and without "
+        "Whisper's word probability (seeds --seed.. --seed+k-1 for --n paused queries each)",
+    )
+    ap.add_argument("--seeds", type=int, default=1, help="with --turn-study: how many seeds of --n paused queries")
     return ap
 
 
@@ -155,6 +174,8 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     t.max_wait_ms = args.max_wait_ms or t.max_wait_ms
     t.threshold = t.threshold if args.turn_threshold is None else args.turn_threshold
     t.text_cue = not args.no_text_cue
+    t.unsure_word_prob = t.unsure_word_prob if args.unsure_word_prob is None else args.unsure_word_prob
+    t.judge_after_first_clause = args.judge_after_first_clause
     vopts.draft = args.draft
     return vopts
 
@@ -270,6 +291,108 @@ def recognition(args: argparse.Namespace, data: dict) -> None:
     print(json.dumps(out["models"], indent=1))
 
 
+def pauses_of(audio: np.ndarray) -> tuple[list[np.ndarray], list[bool], list[dict]]:
+    """The VAD replayed as the pipeline runs it: the utterance's frames, their voiced flags, and each pause
+    (frames up to its first silent frame, its length in ms, whether speech resumed after it)."""
+    from collections import deque
+
+    from edge_client.voice.vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad
+
+    o = VadOptions()
+    vad, ep = SileroVad(), Endpointer(VadOptions(stop_delay_ms=10**6))
+    pre: deque[np.ndarray] = deque(maxlen=max(1, int(o.preroll_ms / 1000 / FRAME_S)))
+    frames: list[np.ndarray] = []
+    voiced: list[bool] = []
+    pauses: list[dict] = []
+    for i in range(len(audio) // FRAME):
+        x = audio[i * FRAME : (i + 1) * FRAME]
+        prob = vad(x)
+        pre.append(x)
+        if ep.state != "idle":
+            frames.append(x)
+            voiced.append(prob >= o.neg_threshold)
+        ev = ep.update(prob, (i + 1) * FRAME_S)
+        if ev is Ev.ONSET:
+            frames, voiced = list(pre), [True] * len(pre)
+        elif ev is Ev.PAUSE:
+            pauses.append({"frames": len(frames), "ms": FRAME_S * 1000, "resumed": False})
+        elif ev is Ev.RESUME:
+            pauses[-1]["resumed"] = True
+        elif ep.state == "pause":
+            pauses[-1]["ms"] += FRAME_S * 1000
+    return frames, voiced, pauses
+
+
+def turn_study(args: argparse.Namespace, data: dict) -> None:
+    """The end-of-turn judge replayed offline at every pause of paused and fluent syntheses: the speculative
+    final decode (text, Whisper's last-word probability) and Smart Turn 64 ms into the pause, as the pipeline
+    makes them; a turn is cut off when a pause the person resumed from lasts at least the wait the judge sets.
+    Compares the transcript cue with and without the word probability (docs/voice.md, Turn-taking)."""
+    from edge_client.voice.asr import close_gaps
+    from edge_client.voice.endofturn import EndOfTurn, SmartTurn
+    from edge_client.voice.tts import Synthesizer
+
+    synth, tx, st = Synthesizer(), Transcriber(AsrOptions()), SmartTurn()
+    judges = {
+        "before (function words)": TurnOptions(unsure_word_prob=0.0),
+        "now (+ unsure sound-alikes)": TurnOptions(),
+    }
+    val = data["val"]
+    step = max(1, len(val) // args.n)
+    items = [("fluent", val[i * step][0], {}) for i in range(args.n)]
+    for seed in range(args.seed, args.seed + args.seeds):
+        items += [("pauses", text, p) for _, text, p in pause_set(data, args.n, seed)]
+    tmp = Path(tempfile.mkdtemp(prefix="voice-turn-"))
+    rows = []
+    for i, (kind, text, pauses) in enumerate(items):
+        wav = tmp / f"q{i}.wav"
+        if (spoken_wav_with_pauses(synth, text, pauses, wav) if pauses else spoken_wav(synth, text, wav)) is None:
+            continue
+        frames, voiced, found = pauses_of(read_wav(wav)[0])
+        judged = []
+        for pz in found:
+            if pz["resumed"] and pz["ms"] < TurnOptions().min_wait_ms:
+                continue  # a dip that no judgement could end the turn at
+            k = pz["frames"]
+            rec = tx.recognize(close_gaps(frames[:k], voiced[:k], 9), final=True)
+            judged.append(
+                pz | {"text": rec.text, "p_word": rec.last_word_prob, "p_turn": st(np.concatenate(frames[: k + 1]))}
+            )
+        rows.append({"set": kind, "spoken": text, "pauses": judged})
+        print(
+            f"{i:3d} {kind:6s} " + " | ".join(f"{j['ms']:.0f} ms {j['text']!r} p={j['p_turn']:.2f}" for j in judged),
+            flush=True,
+        )
+    out: dict = {"command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]), "judges": {}}
+    for name, topts in judges.items():
+        eot = EndOfTurn(topts, model=object())
+        out["judges"][name] = {}
+        for kind in ("fluent", "pauses"):
+            rs, cut, ends = [r for r in rows if r["set"] == kind], 0, []
+            for r in rs:
+                for j in r["pauses"]:
+                    d = eot.new_decision()
+                    d.probability = j["p_turn"]
+                    eot.judge_text(d, j["text"], j["p_word"])
+                    wait = eot.wait_ms(d, 250, text_known=True)
+                    if not j["resumed"]:
+                        ends.append(wait)
+                        break
+                    if j["ms"] >= wait:
+                        cut += 1
+                        break
+            out["judges"][name][kind] = {
+                "n": len(rs),
+                "cut_off_pct": 100 * cut / max(1, len(rs)),
+                "end_wait_ms": {"p50": pct(ends, 50), "p75": pct(ends, 75), "mean": float(np.mean(ends))},
+                "long_wait_at_end_pct": 100 * float(np.mean(np.array(ends) > TurnOptions().min_wait_ms)),
+            }
+    out["rows"] = rows
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["judges"], indent=1))
+
+
 def pause_set(data: dict, n: int, seed: int) -> list[tuple[str, str, dict[int, int]]]:
     """n (query, text to speak, pauses) from CLINC150 train + val, seeded."""
     rng = np.random.default_rng(seed)
@@ -331,6 +454,8 @@ def main() -> None:
     data = json.load(open(args.data))
     if args.recognition:
         return recognition(args, data)
+    if args.turn_study:
+        return turn_study(args, data)
     val = data["val"]
     step = max(1, len(val) // args.n)
     # (set, query, text spoken, pauses): the fluent val queries, then with --pauses the paused ones
@@ -393,7 +518,8 @@ def main() -> None:
                     f"eos->audio {obj['true_eos_to_first_audio_ms']:7.1f} ms (true end)  "
                     f"endpoint->audio {obj['endpoint_to_first_audio_ms']:7.1f} ms  "
                     f"{'CUT OFF ' if obj['cut_off'] else ('ENDED EARLY ' if obj['ended_early'] else '')}"
-                    f"p={e.get('probability')} wait={e.get('wait_ms')} draft={obj['draft']}  wer {obj['wer']:.2f}  "
+                    f"p={e.get('probability')} last word p={e.get('last_word_prob')} wait={e.get('wait_ms')} "
+                    f"draft={obj['draft']}  wer {obj['wer']:.2f}  "
                     f"{text!r} -> {obj['transcript']!r}",
                     flush=True,
                 )

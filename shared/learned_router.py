@@ -7,8 +7,9 @@ layer and the token embedding pre-multiplied into a bucket table, so one score
 costs one feature pass over the logits, one (H x D) mat-vec and a dot product.
 
 The file is bound to the models it was trained for: if the edge model's
-fingerprint differs, `load_router` refuses (or, when asked, warns and falls
-back to the entropy heuristic). A drift monitor compares the running score
+fingerprint differs, or the cloud model's where the caller names the cloud (a
+mixed pair's router is labelled in its cloud model's NLL of the text), `load_router`
+refuses (or, when asked, warns and falls back to the entropy heuristic). A drift monitor compares the running score
 distribution with the one seen on the training validation set (PSI).
 
 File layout (np.load with allow_pickle=False): arrays w1 [H, D], b1 [H],
@@ -42,7 +43,7 @@ class RouterFileError(ValueError):
 
 
 class RouterMismatchError(RouterFileError):
-    """The router was trained for a different edge model."""
+    """The router was trained for a different edge (or cloud) model."""
 
 
 def token_bucket(token: int | np.ndarray, n_buckets: int) -> Any:
@@ -210,8 +211,37 @@ class LearnedRouter:
         return {"router": self.name, **self.drift.report()}
 
 
-def load_router(path: str | Path, edge_info: Any = None, on_mismatch: str = "error", n_vocab: int = 0) -> Any:
-    """Load a router file for `edge_info` (a ModelInfo); on a fingerprint mismatch raise or fall back.
+def cloud_mismatch(meta: dict[str, Any], cloud: Any) -> str | None:
+    """Why a router file (its `meta`) does not fit cloud model `cloud`, or None when it does.
+
+    `cloud`: a ModelInfo (compared by fingerprint), a fingerprint ("sha256:..."), or a model name
+    (compared with the name the file records, for callers that cannot resolve the cloud's file).
+    A file that records no cloud model (none written by `fit` does) fits any cloud."""
+    if cloud is None or cloud == "":
+        return None
+    if hasattr(cloud, "fingerprint"):
+        have, want, name = meta.get("cloud_fingerprint"), cloud.fingerprint, f"{cloud.name} ({cloud.fingerprint})"
+    elif str(cloud).startswith("sha256:"):
+        have, want, name = meta.get("cloud_fingerprint"), str(cloud), str(cloud)
+    else:
+        have, want, name = meta.get("cloud_model"), str(cloud), str(cloud)
+    if have is None or have == want:
+        return None
+    return (
+        f"was trained for cloud model {meta.get('cloud_model')} ({meta.get('cloud_fingerprint')}), "
+        f"but the cloud runs {name}"
+    )
+
+
+def load_router(
+    path: str | Path, edge_info: Any = None, on_mismatch: str = "error", n_vocab: int = 0, cloud: Any = None
+) -> Any:
+    """Load a router file for `edge_info` (a ModelInfo) and, when given, cloud model `cloud`
+    (see `cloud_mismatch`); on a fingerprint mismatch of either raise or fall back.
+
+    The labels are the cloud model's judgement (its tokens, or for a mixed pair its NLL of the
+    text), so a router is bound to both models. `cloud` None skips the cloud check (callers that
+    do not know the cloud; same-vocab routers loaded as before).
 
     on_mismatch: "error" raises RouterMismatchError; "heuristic" logs a warning and
     returns the entropy HeuristicRouter.
@@ -220,12 +250,19 @@ def load_router(path: str | Path, edge_info: Any = None, on_mismatch: str = "err
         raise ValueError(f"router_on_mismatch must be 'error' or 'heuristic', not {on_mismatch!r}")
     rf = RouterFile.load(path)
     router = LearnedRouter(rf, name=f"learned:{Path(path).stem}")
+    msg = None
     if edge_info is not None and edge_info.fingerprint != router.edge_fingerprint:
         msg = (
             f"router {path} was trained for edge model {router.meta.get('edge_model')} ({router.edge_fingerprint}), "
             f"but the device runs {edge_info.name} ({edge_info.fingerprint}); retrain it for this model with "
             "`tokenrouter-train label` + `fit`, or set router_on_mismatch='heuristic' to fall back"
         )
+    elif (why := cloud_mismatch(rf.meta, cloud)) is not None:
+        msg = (
+            f"router {path} {why}; retrain it for this pair with `tokenrouter-train label` + `fit`, "
+            "or set router_on_mismatch='heuristic' to fall back"
+        )
+    if msg is not None:
         if on_mismatch == "error":
             raise RouterMismatchError(msg)
         log.warning("%s; falling back to the entropy heuristic", msg)

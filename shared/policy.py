@@ -134,7 +134,7 @@ class RoutingPolicy:
         if position < self.config.warmup:
             return False
         limit = threshold - self.config.hysteresis if self._routing else threshold
-        self._routing = score >= limit
+        self._routing = bool(score >= limit)  # a numpy threshold would make it numpy.bool_ (not JSON)
         return self._routing
 
 

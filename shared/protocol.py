@@ -348,6 +348,46 @@ class TextRollback:
 
 
 @dataclass(slots=True)
+class TextVerify:
+    """Device -> cloud, text mode: the cloud's check of a drafted clause (shared/text_history.py,
+    "The cloud's check"). `text` is the drafted text (whole characters) after the `byte_position`
+    bytes the cloud holds; `check` the byte ranges of it the device's router flagged, flattened
+    [start0, end0, start1, end1, ...] (ascending, not overlapping); `check_eog`: the drafted end
+    of the answer (`eog`) was flagged. The cloud judges its own tokens of the text: those over a
+    flagged range exactly, the others within `tolerance` nats. `hidden` (binary payload, float16,
+    optional): one row per flagged range, as in `verify`."""
+
+    type: ClassVar[str] = "text_verify"
+    request_id: int
+    byte_position: int
+    text: str
+    check: list[int] = field(default_factory=list)
+    tolerance: float = 0.0  # nats; 0: only the flagged ranges are judged
+    eog: bool = False  # the device's draft ends the answer after `text`
+    check_eog: bool = False
+    max_tokens: int = 4  # the cap of the cloud's span after a rejection (as text_generate's)
+    hidden: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class TextVerdict(Work):
+    """Cloud -> device, text mode: the answer to a text_verify. The cloud's answer is now the
+    first `byte_position + accepted_bytes` bytes, then `text` (its span after a rejection, whole
+    characters; "" when all was kept), and ends there if `eog`."""
+
+    type: ClassVar[str] = "text_verdict"
+    request_id: int
+    byte_position: int  # the text_verify's
+    accepted_bytes: int  # drafted bytes kept (len(text) of the verify when none was rejected)
+    text: str
+    n_tokens: int  # the cloud's own tokens behind `text`
+    logprob: float
+    compute_ms: float  # the check's pass and the span
+    eog: bool = False
+    prefill_ms: float = 0.0
+
+
+@dataclass(slots=True)
 class Close:
     """Either side: the session ends; the cloud frees its KV cache."""
 
@@ -380,6 +420,8 @@ Message = Union[
     TextGenerate,
     TextReply,
     TextRollback,
+    TextVerify,
+    TextVerdict,
     Close,
     Error,
 ]
@@ -509,6 +551,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "token": (-1, INT32_MAX),  # -1: none
     "n_prompt": (0, INT32_MAX),
     "accepted": (0, INT32_MAX),
+    "accepted_bytes": (0, INT32_MAX),
     "max_message_bytes": (0, INT32_MAX),
     "max_verify_tokens": (0, INT32_MAX),
     **{name: (0, INT32_MAX) for name in WORK_FIELDS},
@@ -606,6 +649,16 @@ def _check_ranges(msg: Message) -> None:
             raise _bad("verify", "check", f"must hold ascending, unique offsets within [0, {n})")
         if msg.hidden is not None and (not msg.check or msg.hidden.size == 0 or msg.hidden.size % len(msg.check)):
             raise _bad("verify", "hidden", f"must hold one equal row per check offset ({len(msg.check)})")
+    if isinstance(msg, TextVerify):
+        n, c = len(msg.text.encode("utf-8")), msg.check
+        if not n and not msg.eog:
+            raise _bad("text_verify", "text", "must not be empty unless eog")
+        if len(c) % 2 or any(a > b for a, b in zip(c, c[1:])) or any(b > n for b in c):
+            raise _bad("text_verify", "check", f"must hold ascending [start, end) byte ranges within [0, {n}]")
+        if any(a >= b for a, b in zip(c[::2], c[1::2])):
+            raise _bad("text_verify", "check", "must hold non-empty ranges")
+        if msg.hidden is not None and (not c or msg.hidden.size == 0 or msg.hidden.size % (len(c) // 2)):
+            raise _bad("text_verify", "hidden", f"must hold one equal row per flagged range ({len(c) // 2})")
     if isinstance(msg, Next) and len(msg.top_ids) != len(msg.top_logprobs):
         raise _bad("next", "top_logprobs", "must have as many items as top_ids")
     if isinstance(msg, Tokens) and len(msg.ids) != len(msg.logprobs):

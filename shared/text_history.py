@@ -33,6 +33,18 @@ correct, just less natural. Text not yet whole UTF-8 after the cap gets up to `U
 tokens (byte-fallback tokens: a character may take up to four), and trailing partial bytes
 after that are dropped (`complete_utf8`), so text on the wire is always whole characters.
 
+**The cloud's check in text mode** (`text_verify`, `plan_check`): the device drafts a clause
+and sends its text with the byte ranges its router flagged. The cloud tokenizes the shared text
+plus the drafted text with its own tokenizer and judges, in one batched pass, each of its tokens
+that holds drafted bytes, with shared/decision.py's `judge_draft` (exact string-level
+verification, Timor et al., ICML 2025): a token that overlaps a flagged range stands only as the
+cloud's own greedy choice (within `TIE_NATS`), the others within the tolerance. A token wholly in
+the shared text is context, never judged. At the first rejected token the kept drafted bytes end
+where that token starts (a token boundary of the cloud's tokenization), cut back to a whole
+character and never before the drafted text (a token that began in the shared text keeps none);
+the cloud then writes its span from there, as at a hard position. A drafted end of the answer
+(`eog`) is judged as the cloud's end-of-generation token after the drafted text.
+
 **Whole characters.** The device sends text only up to the last whole character and asks the
 cloud only where its text ends on one (a hard position inside a multi-byte character, rare, is
 written by the device); messages carry text as JSON strings and `byte_position` counts UTF-8
@@ -51,6 +63,7 @@ the shared text (`AnswerText.join`). A chat model's template ends with a newline
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from shared.llama_backend import LlamaModel
@@ -151,3 +164,74 @@ class AnswerText:
         target = self.tokens(text)
         keep = common_prefix(held, target)
         return keep, target[keep:]
+
+
+@dataclass(slots=True)
+class TextCheck:
+    """The cloud's tokens over a drafted text (`plan_check`): what its check judges, and how a
+    verdict on those tokens maps back to drafted bytes."""
+
+    keep: int  # answer tokens of the cloud's history that stand (the common prefix with the new tokens)
+    context: list[int]  # tokens after those lying wholly in the shared text: history, not judged
+    drafts: list[int]  # the tokens that hold drafted bytes (then the end-of-generation token, if drafted)
+    exact: list[int]  # offsets in `drafts` judged exactly: they overlap a flagged byte range
+    starts: list[int]  # where each draft begins, in bytes from the drafted text's start (< 0: in the shared text)
+    drafted: bytes
+
+    def accepted_bytes(self, accepted: int) -> int:
+        """Drafted bytes kept when the first `accepted` drafts stand: all of them if none was
+        rejected, else up to where the rejected one starts, never before the drafted text, cut
+        back to a whole character."""
+        if accepted >= len(self.drafts):
+            return len(self.drafted)
+        cut = max(0, self.starts[accepted])
+        return complete_utf8(self.drafted[:cut])
+
+    def continues(self, accepted: int) -> bool:
+        """The cloud's token at the rejected draft may open its span: the kept bytes end exactly
+        where that token starts (else the cloud writes again from the cut)."""
+        start = self.starts[accepted]
+        return start >= 0 and self.accepted_bytes(accepted) == start
+
+
+def plan_check(
+    view: AnswerText,
+    held: Sequence[int],
+    shared: bytes,
+    drafted: bytes,
+    flagged: Sequence[tuple[int, int]],
+    eog_token: int = -1,
+    eog_exact: bool = False,
+) -> TextCheck:
+    """The cloud's tokens of `shared` + `drafted` (module docstring, "The cloud's check"). `held`:
+    the answer tokens the cloud's history holds (they spell `shared`); `flagged`: [start, end)
+    byte ranges of `drafted` the device's router flagged; `eog_token` >= 0: the device drafted the
+    answer's end after the text (judged as that token, exactly with `eog_exact`). ValueError if
+    the tokens do not spell the text back (then no byte of it can be placed)."""
+    target = view.tokens(shared + drafted)
+    keep = common_prefix(held, target)
+    sizes = [len(view.token_bytes(t)) for t in target]
+    if b"".join(view.token_bytes(t) for t in target) != (view.seam + shared + drafted if target else b""):
+        raise ValueError("the model's tokens do not spell the answer text back")
+    boundary = len(view.seam) + len(shared)  # where the drafted text starts in the tokens' bytes
+    end = sum(sizes[:keep])
+    context: list[int] = []
+    drafts: list[int] = []
+    exact: list[int] = []
+    starts: list[int] = []
+    for token, size in zip(target[keep:], sizes[keep:]):
+        begin, end = end, end + size
+        if end <= boundary and not drafts:
+            context.append(token)
+            continue
+        lo, hi = begin - boundary, end - boundary
+        if any(lo < b and hi > a for a, b in flagged):
+            exact.append(len(drafts))
+        starts.append(lo)
+        drafts.append(token)
+    if eog_token >= 0:
+        if eog_exact:
+            exact.append(len(drafts))
+        starts.append(len(drafted))
+        drafts.append(eog_token)
+    return TextCheck(keep, context, drafts, exact, starts, drafted)

@@ -39,14 +39,25 @@ from shared.protocol import (
     TextReply,
     TextRollback,
     TextSync,
+    TextVerdict,
+    TextVerify,
     decode,
     encode,
 )
+from shared.router import HeuristicRouter
 from shared.routing_log import read
-from shared.sampling import Sampler
-from shared.text_history import SPAN_TOKENS, UTF8_EXTRA, AnswerText, complete_utf8, span_done, starts_word
+from shared.sampling import Sampler, regret
+from shared.text_history import (
+    SPAN_TOKENS,
+    UTF8_EXTRA,
+    AnswerText,
+    complete_utf8,
+    plan_check,
+    span_done,
+    starts_word,
+)
 from tests.conftest import ROOT, chat
-from tests.helpers import agree_up_to_a_tie, make_generator, reference_greedy
+from tests.helpers import agree_up_to_a_tie, make_generator, reference_greedy, teacher_forced_logits
 
 GEMMA = "gemma3-270m"
 
@@ -215,7 +226,7 @@ def test_mixed_pair_negotiates_text_mode_and_refuses_it_when_not_offered(gemma_s
         ws.send(_hello(gemma_server, edge_info, "auto"))
         acc = decode(ws.recv(timeout=30))
         assert isinstance(acc, Accept) and acc.mode == "text" and acc.version == 3
-        assert acc.capabilities == ["generate"] and acc.max_verify_tokens == 0
+        assert acc.capabilities == ["generate", "verify"] and acc.max_verify_tokens > 0
         ws.send(encode(Sync(position=acc.n_prompt, tokens=[1])))
         err = decode(ws.recv(timeout=30))
         assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER, "token messages in a text session"
@@ -360,7 +371,7 @@ def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model
         for q in LONG_QUESTIONS:
             expected = edge_only.generate(chat(q), max_tokens=80)
             a = gen.generate(chat(q), max_tokens=80)
-            assert a.shared_history == "text" and not a.degraded and a.cloud_capabilities == ["generate"]
+            assert a.shared_history == "text" and not a.degraded and a.cloud_capabilities == ["generate", "verify"]
             assert a.text == expected.text, q
             assert a.n_tokens == expected.n_tokens
             routed += a.n_cloud_tokens
@@ -460,7 +471,7 @@ def test_cli_ask_with_the_mixed_pair():
     assert out.returncode == 0, out.stderr[-2000:]
     a = json.loads(out.stdout)
     assert a["shared_history"] == "text" and not a["degraded"] and a["n_cloud_tokens"] > 0
-    assert a["cloud_capabilities"] == ["generate"] and a["cloud_mode"] == "per-token"
+    assert a["cloud_capabilities"] == ["generate", "verify"] and a["cloud_mode"] == "per-token+check"
     assert a["cloud_model_name"] == GEMMA
 
 
@@ -480,3 +491,177 @@ def test_eval_reports_the_mixed_pairs_curve():
     assert pts["cloud-only"][0]["nll_per_byte"] < pts["edge-only"][0]["nll_per_byte"]
     assert all(0 < p["cloud_bytes"] <= 1 for m in ("entropy", "random") for p in pts[m])
     assert set(r["gap_recovered_at_30_bytes"]) == {"entropy", "random"}
+
+
+# --------------------------------------------------------------------------- the cloud's check in text mode
+
+
+def test_check_plan_maps_cloud_tokens_to_drafted_bytes(views):
+    """The text rule of the check (`plan_check`): the cloud's tokens of shared + drafted text; a
+    token wholly in the shared text is context, one that holds drafted bytes is judged (exactly
+    when it overlaps a flagged range); a rejection keeps the drafted bytes before the rejected
+    token's start, never before the drafted text, and on a whole character."""
+    smol, sv, gemma, gv = views
+    held = gv.tokens(b"The capital of France is")
+    plan = plan_check(gv, held, b"The capital of France is", b" Paris. It", [(7, 8)])
+    assert plan.keep == len(held) and plan.context == []
+    assert pieces(gemma, plan.drafts) == [b" Paris", b".", b" It"] and plan.starts == [0, 6, 7]
+    assert plan.exact == [2], "only the token over the flagged byte range is exact"
+    assert [plan.accepted_bytes(a) for a in range(4)] == [0, 6, 7, 10]
+    assert all(plan.continues(a) for a in range(3))
+    # a cloud token that began in the shared text (the device wrote " Par", then drafted "is is")
+    plan = plan_check(gv, gv.tokens(b"It is Par"), b"It is Par", b"is is", [])
+    assert pieces(gemma, plan.drafts)[0] == b" Paris" and plan.starts[0] == -4
+    assert plan.accepted_bytes(0) == 0 and not plan.continues(0), "the cloud writes again from the drafted text"
+    # a drafted end of the answer: the cloud's end-of-generation token after the text
+    plan = plan_check(gv, [], b"", b"Hi.", [], eog_token=gemma.eog_token, eog_exact=True)
+    assert plan.drafts[-1] == gemma.eog_token and plan.starts[-1] == 3 and plan.exact == [len(plan.drafts) - 1]
+    assert plan.accepted_bytes(len(plan.drafts) - 1) == 3
+    # multi-byte characters: a cut is never inside one
+    jp = "日本語".encode()
+    plan = plan_check(sv, [], b"", jp, [])
+    assert len(plan.drafts) == 6 and all(
+        complete_utf8(jp[: plan.accepted_bytes(a)]) == plan.accepted_bytes(a) for a in range(7)
+    )
+
+
+def test_text_verify_is_checked(gemma_server, edge_info, same_model_server):
+    """text_verify over a real WebSocket: a verdict keeps at most the drafted bytes; a wrong
+    byte_position is out_of_order, broken byte ranges bad_field, and in a token session the
+    message is out_of_order."""
+    for frame in (
+        {"type": "text_verify", "request_id": 1, "byte_position": 0, "text": "ab", "check": [0]},
+        {"type": "text_verify", "request_id": 1, "byte_position": 0, "text": "ab", "check": [1, 0]},
+        {"type": "text_verify", "request_id": 1, "byte_position": 0, "text": "ab", "check": [0, 3]},
+        {"type": "text_verify", "request_id": 1, "byte_position": 0, "text": "", "check": []},
+    ):
+        with pytest.raises(ProtocolError) as exc:
+            decode(json.dumps(frame))
+        assert exc.value.code == ErrorCode.BAD_FIELD
+    msg = TextVerify(request_id=3, byte_position=2, text="é!", check=[0, 2, 2, 3], tolerance=1.0, hidden=np.ones(8))
+    back = decode(encode(msg))
+    assert isinstance(back, TextVerify) and back.check == msg.check and back.hidden.size == 8
+    verdict = TextVerdict(
+        request_id=3, byte_position=2, accepted_bytes=2, text=" x", n_tokens=1, logprob=-1, compute_ms=1
+    )
+    assert decode(encode(verdict)) == verdict
+    with connect(gemma_server.url) as ws:
+        ws.send(_hello(gemma_server, edge_info, "auto"))
+        assert decode(ws.recv(timeout=30)).mode == "text"
+        ws.send(encode(TextSync(byte_position=0, text="The capital")))
+        ws.send(encode(TextVerify(request_id=1, byte_position=3, text=" of", tolerance=1.0)))
+        err = decode(ws.recv(timeout=30))
+        assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER and "11 bytes" in err.message
+        ws.send(
+            json.dumps({"type": "text_verify", "request_id": 2, "byte_position": 11, "text": " of", "check": [2, 9]})
+        )
+        err = decode(ws.recv(timeout=30))
+        assert isinstance(err, Error) and err.code == ErrorCode.BAD_FIELD
+        ws.send(
+            encode(TextVerify(request_id=3, byte_position=11, text=" of France is Paris.", check=[0, 3], tolerance=1.0))
+        )
+        v = decode(ws.recv(timeout=60))
+        assert isinstance(v, TextVerdict) and v.request_id == 3 and v.byte_position == 11
+        assert 0 <= v.accepted_bytes <= len(" of France is Paris.") and v.passes >= 1
+        held = 11 + v.accepted_bytes + len(v.text.encode())
+        ws.send(encode(TextSync(byte_position=held + 1, text="x")))  # the cloud holds exactly `held` bytes
+        err = decode(ws.recv(timeout=30))
+        assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER and f"{held} bytes" in err.message
+    with connect(same_model_server.url) as ws:
+        ws.send(_hello(same_model_server, edge_info, "never"))
+        assert decode(ws.recv(timeout=30)).mode == "tokens"
+        ws.send(encode(TextVerify(request_id=1, byte_position=0, text="x")))
+        err = decode(ws.recv(timeout=30))
+        assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER
+
+
+@pytest.mark.parametrize("check", ["all", "after-first-clause"])
+def test_same_model_in_text_mode_is_never_overruled_by_its_check(edge_model, same_model_server, check):
+    """The same GGUF on both sides, text mode forced, the cloud's check on: each clause is one
+    text_verify, and one model never overrules itself beyond the tie: the answer is the device's
+    alone, byte for byte, over long answers."""
+    edge_only = make_generator(edge_model, None, mode="edge")
+    gen = make_generator(edge_model, same_model_server, threshold=0.5, text_mode="always", check=check, timeout_s=10.0)
+    try:
+        for q in LONG_QUESTIONS:
+            expected = edge_only.generate(chat(q), max_tokens=80)
+            a = gen.generate(chat(q), max_tokens=80)
+            assert a.shared_history == "text" and not a.degraded, q
+            assert a.cloud_mode == ("check" if check == "all" else "per-token+check")
+            assert a.text == expected.text, q
+            assert a.overruled_positions == []
+            clauses = sum(any(c in p for c in ".,;:!?\n") for p in a.pieces)
+            assert 0 < a.round_trips <= clauses + 80 // gen.opts.check_max_draft + 2, (a.round_trips, clauses)
+    finally:
+        gen.close()
+        edge_only.close()
+
+
+def test_mixed_pair_checks_each_clause_with_the_clouds_tokens(edge_model, gemma_server, gemma_info):
+    """SmolLM2 drafts, Gemma-3 checks the text (the default check after the first clause; then
+    `--check all`): not degraded, the mode says the check was used, about one round trip per
+    clause, some drafts overruled; and with the check on every position, every Gemma token of the
+    final text is within the tolerance of Gemma's own choice, teacher-forced (a kept draft stood
+    within it, a cloud token is its greedy choice; 0.35 nats of kernel slack)."""
+    default = make_generator(edge_model, gemma_server, threshold=0.3, check="after-first-clause", timeout_s=10.0)
+    every = make_generator(edge_model, gemma_server, threshold=0.3, check="all", timeout_s=10.0)
+    gemma = LlamaModel(gemma_info, vocab_only=True)
+    view = AnswerText.for_model(gemma)
+    try:
+        overruled = 0
+        for q in ("explain how vaccines work", "how do you say hello in japanese"):
+            a = default.generate(chat(q), max_tokens=64)
+            assert a.shared_history == "text" and not a.degraded and a.cloud_mode == "per-token+check"
+            assert a.cloud_capabilities == ["generate", "verify"] and a.round_trips > 2
+            overruled += len(a.overruled_positions)
+            a = every.generate(chat(q), max_tokens=48)
+            assert not a.degraded and a.cloud_mode == "check" and a.round_trips > 2
+            overruled += len(a.overruled_positions)
+            tokens = view.tokens(a.text.encode())
+            if a.finish_reason != "stop":
+                tokens = tokens[:-1]  # cut by max_tokens: its last token may be a piece of a word
+            logits = teacher_forced_logits(gemma_info, chat(q), tokens)
+            worst = max(regret(x, t) for x, t in zip(logits, tokens))
+            assert worst <= every.opts.check_nats + 0.35, (q, a.text, worst)
+        assert overruled > 0, "Gemma overrules some of SmolLM2's drafts"
+    finally:
+        gemma.close()
+        default.close()
+        every.close()
+
+
+class _KillingRouter(HeuristicRouter):
+    """Entropy, and kill -9 of the server at the `at`-th score: mid-draft of a check."""
+
+    def __init__(self, n_vocab: int, server: LocalCloudServer, at: int) -> None:
+        super().__init__("entropy", n_vocab)
+        self.server, self.at, self.n = server, at, 0
+
+    def score(self, hidden, logits, proposed) -> float:
+        self.n += 1
+        if self.n == self.at:
+            self.server.kill()
+        return super().score(hidden, logits, proposed)
+
+
+def test_mixed_pair_check_falls_back_when_the_cloud_is_lost_mid_check(edge_model, edge_info):
+    """kill -9 of the Gemma server while the device drafts a clause for the check: its text_verify
+    gets no verdict, the drafts stand, the device finishes alone (degraded), and what follows the
+    last cloud token is what SmolLM2 alone writes after the answer so far (up to a near-tie)."""
+    q = "explain how vaccines work"
+    server = LocalCloudServer(model=GEMMA).start()
+    router = _KillingRouter(edge_model.n_vocab, server, at=20)
+    gen = make_generator(edge_model, server, threshold=0.3, check="all", timeout_s=3.0, router=router)
+    try:
+        a = gen.generate(chat(q), max_tokens=48)
+        assert router.n >= 20 and a.degraded and a.shared_history == "text" and a.cloud_mode == "check"
+        assert a.n_tokens == 48 or a.finish_reason == "stop"
+        k = len(a.routes) - a.routes[::-1].index("cloud") if "cloud" in a.routes else 0
+        assert k < a.n_tokens and "cloud" not in a.routes[k:]
+        so_far = edge_model.tokenize(edge_model.detokenize(a.tokens[:k]), parse_special=False)
+        mine = so_far + a.tokens[k:]
+        alone = reference_greedy(edge_info, chat(q), len(mine), prefix=so_far)
+        assert agree_up_to_a_tie(edge_info, chat(q), mine, alone), (a.text, edge_model.detokenize(alone))
+    finally:
+        gen.close()
+        server.stop()

@@ -296,6 +296,7 @@ def test_a_fluent_question_ends_after_the_short_wait(demo_turn):
     e = demo_turn["end_of_turn"]
     assert e["mode"] == "smart" and e["finished"] is True and e["text_unfinished"] is False, e
     assert e["wait_ms"] == TurnOptions().min_wait_ms and e["probability"] >= TurnOptions().threshold, e
+    assert 0 < e["last_word_prob"] <= 1, e  # Whisper's confidence in "France" reached the judge
 
 
 def test_a_missing_end_of_turn_model_is_a_clear_error_or_a_visible_fallback(engines, tmp_path, monkeypatch):

@@ -308,4 +308,35 @@ def streaming_final(tx, audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int
             spec = None
     if spec is None:
         return ""
-    return tx.transcribe(close_gaps(frames[:spec], voiced[:spec], max(1, int(max_gap_ms / 1000 / FRAME_S))))
+    return tx.recognize(
+        close_gaps(frames[:spec], voiced[:spec], max(1, int(max_gap_ms / 1000 / FRAME_S))), final=True
+    ).text
+
+
+def utterance_at_pause(audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int, min_pause_ms: int = 200) -> np.ndarray:
+    """What the pipeline's speculative final decode gets at the first pause of at least `min_pause_ms`: the
+    pre-roll and the frames up to that pause's first silent frame, long pauses before it shortened."""
+    vad, ep = SileroVad(), Endpointer(VadOptions(**{**vars(vad_opts), "stop_delay_ms": 10**6}))
+    preroll: deque[np.ndarray] = deque(maxlen=max(1, int(vad_opts.preroll_ms / 1000 / FRAME_S)))
+    frames: list[np.ndarray] = []
+    voiced: list[bool] = []
+    spec = None
+    for i in range(len(audio) // FRAME):
+        x = audio[i * FRAME : (i + 1) * FRAME]
+        prob = vad(x)
+        preroll.append(x)
+        if ep.state != "idle":
+            frames.append(x)
+            voiced.append(prob >= vad_opts.neg_threshold)
+        ev = ep.update(prob, (i + 1) * FRAME_S)
+        if ev is Ev.ONSET:
+            frames, voiced = list(preroll), [True] * len(preroll)
+        elif ev is Ev.PAUSE:
+            spec = len(frames)
+        elif ev is Ev.RESUME:
+            spec = None
+        if spec is not None and ep.silent_ms >= min_pause_ms:
+            break
+    if spec is None:
+        raise ValueError("no pause that long in the audio")
+    return close_gaps(frames[:spec], voiced[:spec], max(1, int(max_gap_ms / 1000 / FRAME_S)))

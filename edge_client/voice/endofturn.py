@@ -9,7 +9,9 @@ ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
   and rhythm; ~85 ms on one idle core of the 2-core VM, 150-250 ms on a busy one (docs/voice.md).
 - the transcript of the speculative final decode: a turn that ends on a filler ("um"), a
   conjunction, a preposition or an article is not finished, whatever the audio says (Smart Turn
-  judged 30-50 % of such hesitations in Piper's voice finished).
+  judged 30-50 % of such hesitations in Piper's voice finished); nor one that ends on a word that
+  sounds like one ("that" for "the", "too" for "to") when Whisper was unsure of that word: the
+  audio cut at a hesitation often comes out so.
 
 Decision: a turn that sounds finished (Smart Turn at or over its threshold, the transcript not
 mid-phrase) ends after `min_wait_ms` of silence; a transcript ending mid-phrase waits `max_wait_ms`;
@@ -137,15 +139,33 @@ _OPEN_WORDS = frozenset(
 )
 
 
-def unfinished_text(text: str) -> bool:
-    """The transcript ends mid-phrase: on a filler, a function word, a comma, a dash or an ellipsis."""
+# What tiny.en writes for a function word cut off at a hesitation pause, measured on Piper speech (the pause
+# benchmark's): "let me know the," -> "...that", "I need help to," -> "...too", "do I need to," -> "Do I need you?",
+# "get my," -> "Get mine.", "your," -> "here", "a," -> "I" / "eh", "to," -> "2" / "two", "um," -> "up". Each is also a
+# fine last word ("can you help me", "what is it"): 7.5 % of CLINC150's queries end on one. So such a word counts as
+# mid-phrase only when Whisper itself was unsure of it (`TurnOptions.unsure_word_prob`): at the cut it gave
+# these words p 0.2-0.85, while 3 in 4 real endings on them got > 0.9 (docs/voice.md).
+_SOUNDALIKES = frozenset(
+    """that this them then there these those i eh mine me might you you're here year too two 2 do four 4 off it
+    one end n are our well which up""".split()
+)
+
+
+def unfinished_text(text: str, last_word_prob: float | None = None, unsure_below: float = 0.0) -> bool:
+    """The transcript ends mid-phrase: on a filler, a function word, a comma, a dash or an ellipsis; or on a
+    word that sounds like a function word ("that" for "the", "too" for "to") that Whisper gave a probability
+    under `unsure_below` (the last word of a transcript cut at a hesitation)."""
     t = text.strip()
     if not t:
         return True
     if t.endswith(("...", "…", ",", "-", "—", ";", ":")):
         return True
-    words = re.findall(r"[a-z']+", t.lower())
-    return bool(words) and words[-1] in _OPEN_WORDS
+    words = re.findall(r"[a-z0-9']+", t.lower())
+    if not words:
+        return False
+    if words[-1] in _OPEN_WORDS:
+        return True
+    return words[-1] in _SOUNDALIKES and last_word_prob is not None and last_word_prob < unsure_below
 
 
 # ---------------------------------------------------------------------------- the decision
@@ -158,7 +178,14 @@ class TurnOptions:
     max_wait_ms: int = 1200  # silence that ends a turn that sounds unfinished
     threshold: float = 0.5  # Smart Turn probability at or above which the audio sounds finished
     judge_after_ms: int = 64  # silence before Smart Turn runs: one silent frame is often a dip inside a word
+    # Smart Turn only once the speculative answer's first clause is synthesised (held), not beside it: the
+    # audio is then ready the moment the turn is judged over (endpoint -> first audio p50 7 against 518 ms),
+    # but the first audio came later (paired median +97 ms fluent, +81 ms paused), so off (docs/voice.md)
+    judge_after_first_clause: bool = False
     text_cue: bool = True  # a transcript ending mid-phrase also means unfinished
+    # A last word that sounds like a function word ("that", "too", "you") and that Whisper gave a probability
+    # under this counts as mid-phrase (0: never)
+    unsure_word_prob: float = 0.9
     on_missing: str = (
         "error"  # the model file is missing: "error" (say what to install) or "silence" (fall back, visibly)
     )
@@ -181,6 +208,7 @@ class TurnDecision:
     probability: float | None = None  # Smart Turn's probability of a finished turn at the pause
     model_ms: float | None = None  # Smart Turn's compute time
     text_unfinished: bool | None = None  # the transcript ended mid-phrase
+    last_word_prob: float | None = None  # Whisper's probability of the transcript's last word
     wait_ms: int | None = None  # the silence that ended the turn
     pauses: int = 0  # pauses the person resumed from (each judged unfinished or too short)
     note: str = ""
@@ -191,6 +219,8 @@ class TurnDecision:
             d["probability"] = round(d["probability"], 3)
         if d["model_ms"] is not None:
             d["model_ms"] = round(d["model_ms"], 1)
+        if d["last_word_prob"] is not None:
+            d["last_word_prob"] = round(d["last_word_prob"], 3)
         return d
 
     def summary(self) -> str:
@@ -228,9 +258,14 @@ class EndOfTurn:
         d.probability = self.model(audio)
         d.model_ms = (time.perf_counter() - t) * 1000
 
-    def judge_text(self, d: TurnDecision, text: str) -> None:
+    def judge_text(self, d: TurnDecision, text: str, last_word_prob: float | None = None) -> None:
+        d.last_word_prob = last_word_prob
         if self.opts.text_cue:
-            d.text_unfinished = unfinished_text(text)
+            d.text_unfinished = self.unfinished(text, last_word_prob)
+
+    def unfinished(self, text: str, last_word_prob: float | None = None) -> bool:
+        """The transcript cue with these options."""
+        return unfinished_text(text, last_word_prob, self.opts.unsure_word_prob)
 
     def wait_ms(self, d: TurnDecision, stop_delay_ms: int, text_known: bool) -> int | None:
         """The silence that ends the turn, or None while an input is still missing."""

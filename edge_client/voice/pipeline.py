@@ -21,7 +21,8 @@ the first clause (on a small CPU the two compete, and the first audio is what
 the person waits for).
 
 End of turn (endofturn.py): at each pause the speculative transcript is checked
-for a mid-phrase ending (then the turn waits `turn.max_wait_ms`), else Smart
+for a mid-phrase ending, or a last word like "that" that Whisper was unsure of
+(then the turn waits `turn.max_wait_ms`), else Smart
 Turn judges the audio up to `turn.judge_after_ms` into the pause, once the
 transcript is in; a turn that sounds finished ends after `turn.min_wait_ms` of
 silence. The speculative answer still starts at the first silent frame; its
@@ -148,7 +149,7 @@ class Engines:
         self.synth = Synthesizer(tts)
         # The end-of-turn model (None when turns end on silence alone, or it fell back: see turn_note).
         self.smart_turn, self.turn_note = load_end_of_turn(turn or TurnOptions())
-        self.transcriber.transcribe(np.zeros(16000, np.float32))  # warm-up
+        self.transcriber.recognize(np.zeros(16000, np.float32), final=True)  # warm-up (the final decode's path)
         # Prefill the system prompt once (edge and cloud), so the first turn does not pay for it.
         prompt = system_prompt or DialogueOptions().system_prompt
         gen.generate([{"role": "system", "content": prompt}, {"role": "user", "content": "Hello."}], max_tokens=1)
@@ -211,6 +212,8 @@ class Turn:
         self.error: BaseException | None = None
         self.segments: list[list[Any]] = []  # [text, samples queued in sink rate]
         self.synth_done = threading.Event()
+        # Set once the first clause is synthesised (or nothing will be): see TurnOptions.judge_after_first_clause
+        self.first_clause_done = threading.Event()
         self.released = not held
         self.end_of_turn: TurnDecision | None = None
         self.draft_outcome = "off"
@@ -280,11 +283,18 @@ class Turn:
                     self._gen_may_run.set()
                 else:  # a draft: park generation after the first clause
                     self._gen_may_run.clear()
+                self._first_clause_out()
             if item is None:
                 break
         if self.error is not None:
             self.p.emit(Notice("error", f"generation failed: {self.error}"))
+        self._first_clause_out()  # no (more) audio is coming: nothing to wait for
         self.synth_done.set()
+
+    def _first_clause_out(self) -> None:
+        if not self.first_clause_done.is_set():
+            self.first_clause_done.set()
+            self.p.first_clause_synthesised(self)
 
     def _token(self, ev: TokenEvent) -> None:
         with self._lock:
@@ -602,7 +612,9 @@ class VoicePipeline:
     def _maybe_judge(self) -> None:
         """Smart Turn on the audio up to `judge_after_ms` into the pause (not at a one-frame dip inside a word),
         once the transcript is in and only if it is not mid-phrase: then the transcript alone decides. Run
-        beside the final Whisper decode, it delayed that decode and the whole answer by ~80 ms on two cores."""
+        beside the final Whisper decode, it delayed that decode and the whole answer by ~80 ms on two cores.
+        With `judge_after_first_clause` it also waits for the speculative answer's first clause to be
+        synthesised (measured slower to the first audio, so off: docs/voice.md)."""
         u = self._utt
         if u is None or u.judged or not self.eot.smart or self._silence_ms < self.eot.opts.judge_after_ms:
             return
@@ -610,12 +622,27 @@ class VoicePipeline:
             u.judge_frames = len(u.audio)
         if u.spec_text is None and self.opts.speculative and self.eot.opts.text_cue:
             return  # the final decode is still running
+        t = u.spec_turn
+        if self.eot.opts.judge_after_first_clause and t is not None and not t.first_clause_done.is_set():
+            return  # the speculative answer's first clause is being written and synthesised: that comes first
         u.judged = True
         if u.decision is not None and u.decision.text_unfinished:
             self._set_wait(u)
             return
         assert self._eot_worker is not None
         self._eot_worker.submit((self._utt_id, u.pause_no, np.concatenate(u.audio[: u.judge_frames])))
+
+    def first_clause_synthesised(self, turn: Turn) -> None:
+        """Synthesis thread: a turn's first clause has its audio (held, when speculative). If it is this
+        pause's speculative answer, Smart Turn may run now (`TurnOptions.judge_after_first_clause`)."""
+        if not self._lock.acquire(timeout=0.5):  # else the next frame's _maybe_judge gets it
+            return
+        try:
+            u = self._utt
+            if u is not None and u.spec_turn is turn and self.endpointer.state == "pause":
+                self._maybe_judge()
+        finally:
+            self._lock.release()
 
     def _judge_audio(self, job: tuple[int, int, np.ndarray]) -> None:
         """End-of-turn thread: Smart Turn on the audio up to the pause."""
@@ -707,11 +734,12 @@ class VoicePipeline:
             u.timings.asr_final = r.done_t
             u.spec_text = r.text
             if u.decision is not None:
-                self.eot.judge_text(u.decision, r.text)
+                self.eot.judge_text(u.decision, r.text, r.last_word_prob)
             # No speculative answer to a transcript that ends mid-phrase, unless the turn is over: the
             # pause waits the long wait (or was a dip inside a word), and on two cores a wasted answer
             # slows the decodes that matter (the endpoint then starts the answer, as without speculation).
-            wanted = u.endpointed or not (self.eot.smart and self.eot.opts.text_cue and unfinished_text(r.text))
+            mid_phrase = self.eot.unfinished(r.text, r.last_word_prob)
+            wanted = u.endpointed or not (self.eot.smart and self.eot.opts.text_cue and mid_phrase)
             if wanted and r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
                 u.spec_turn = self._take_draft(u, r.text) or Turn(self, r.text, u.timings, held=True)
             elif u.draft is not None:

@@ -6,6 +6,8 @@ tokenrouter-train eval --split val --limit 40 --json
 tokenrouter-train eval --limit 8 --fraction 0.3 --lookahead learned --verify learned \
     --verify-from after-first-clause --cloud-engine http://127.0.0.1:8000/v1   # + the remote engine's decisions
 tokenrouter-train reproduce      # label + fit the shipped router for the default pair
+tokenrouter-train label --edge-model smollm2-135m-q3_k_s --cloud-model gemma3-270m ...  # a mixed pair:
+    labels in the cloud's NLL of the text (text_label.py); fit as usual; eval runs the text-mode curve
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from shared.decision import TIE_NATS
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROUTERS_DIR = REPO_ROOT / "models" / "routers"
 DEFAULT_ROUTER = ROUTERS_DIR / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}.npz"
+
+
+def pair_router(edge_model: str, cloud_model: str) -> Path:
+    """Where the router shipped for a (device, cloud) pair lives (what `--router auto` loads)."""
+    return ROUTERS_DIR / f"{edge_model}__{cloud_model}.npz"
+
 
 # what `reproduce` labels: CLINC150 train + oos_train for fitting (two disjoint strides of train),
 # val (offset 1) for early stopping: (shard subdirectory, split specs, stride offset)
@@ -126,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="quality vs cloud fraction by real routed decoding")
     models(p)
     prompt_source(p, "val")
-    p.add_argument("--router", type=Path, default=DEFAULT_ROUTER)
+    p.add_argument(
+        "--router",
+        type=Path,
+        default=None,
+        help="the learned router (default: the shipped one for the pair, models/routers/EDGE__CLOUD.npz)",
+    )
     p.add_argument("--out", type=Path, default=Path("eval"), help="writes OUT.json and OUT.png")
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
     p.add_argument("--seed", type=int, default=0)
@@ -266,7 +279,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.split = ["val"]
     prompts, source = _prompts(args)
     if model_info(args.edge_model).tokenizer_fingerprint != model_info(args.cloud_model).tokenizer_fingerprint:
+        if args.router is None:
+            shipped = pair_router(args.edge_model, args.cloud_model)
+            args.router = shipped if shipped.is_file() else None
         return cmd_eval_text(args, prompts, source)
+    if args.router is None:
+        args.router = DEFAULT_ROUTER
     opts = EvalOptions(
         args.router,
         args.edge_model,
@@ -316,14 +334,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> None:
-    """A mixed pair (different tokenizers): the text-mode curve (models/train/text_eval.py); the
-    learned router and the token-level methods need one vocabulary and are not run."""
+    """A mixed pair (different tokenizers): the text-mode curve (models/train/text_eval.py) with the
+    pair's learned router (trained on text labels), entropy and random; the token-level methods
+    (lookahead, check, --also) need one vocabulary and are not run."""
     opts = TextEvalOptions(
         args.edge_model,
         args.cloud_model,
         max_tokens=args.max_tokens,
         threads=args.threads,
         seed=args.seed,
+        router=args.router,
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     result = evaluate_text(prompts, opts)
@@ -336,8 +356,13 @@ def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> 
     print(
         f"{len(prompts)} prompts ({source}) in {result['seconds']}s, text mode ({result['edge_model']} -> "
         f"{result['cloud_model']}): cloud NLL per byte edge-only {e0['nll_per_byte']}, cloud-only "
-        f"{c1['nll_per_byte']}; gap recovered at 30% cloud bytes: "
-        + ", ".join(f"{k} {v:.0%}" for k, v in result["gap_recovered_at_30_bytes"].items())
+        f"{c1['nll_per_byte']}; gap recovered at 30% cloud bytes (95% interval over prompts): "
+        + ", ".join(
+            f"{k} {v:.0%} ({ci[0]:.0%}..{ci[1]:.0%})"
+            for (k, v), ci in zip(
+                result["gap_recovered_at_30_bytes"].items(), result["gap_recovered_at_30_bytes_ci95"].values()
+            )
+        )
     )
     print(f"wrote {args.out.with_suffix('.json')}")
 

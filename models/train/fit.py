@@ -312,6 +312,7 @@ def _export(net: Any, mean: np.ndarray, std: np.ndarray, rec: Records, opts: Fit
             "hidden_units": opts.hidden_units,
         },
         "label": opts.label,
+        "label_space": rec.meta.get("label_space", "tokens"),  # "text": a mixed pair's labels (text_label.py)
         "label_rule": rec.meta.get("label_rule"),
         "system_prompt": rec.meta.get("system_prompt"),
         "reference_histogram": [1] * HIST_BINS,  # replaced by the validation scores' histogram

@@ -29,6 +29,11 @@ cycles over prompts), and every position visited is labelled the same way
 (mismatch and regret against the cloud's token there). The divergence label
 needs the cloud's own continuation as reference, which a routed path does not
 have, so those rows carry -1 (unknown), like live flywheel rows.
+
+A mixed pair (the two models' tokenizers differ): the answer is shared as text,
+so the labels are the cloud model's NLL of the text at each device position
+(text_label.py, the one module for that rule), in the same shard columns; the
+cloud's path only (no `route_with`), no divergence rollouts (divergent -1).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import numpy as np
 
 from models.registry import model_info
 from models.train.pair import PairStepper
-from models.train.shards import make_records, read_shard, write_shard
+from models.train.shards import COLUMNS, make_records, read_shard, write_shard
+from models.train.text_label import LABEL_RULE, LABEL_SPACE, TextLabeller
 from shared.learned_router import LearnedRouter, LogitFeaturizer, load_router
 from shared.llama_backend import LlamaModel
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
@@ -100,8 +106,9 @@ def is_divergent(
 def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     """Label `prompts` into shards of `prompts_per_shard` prompts; existing shards are kept (resume)."""
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
-    if edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint:
-        raise ValueError("the edge and cloud models have different tokenizers; token routing needs one vocabulary")
+    mixed = edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint
+    if mixed and opts.route_with is not None:
+        raise ValueError("--routed-by needs one vocabulary; a mixed pair is labelled along the cloud's path only")
     router, routed_by = None, None
     if opts.route_with is not None:
         router = load_router(opts.route_with, edge_info)
@@ -132,6 +139,10 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         "system_prompt": opts.system_prompt,
         "path": "cloud" if router is None else "routed",
     }
+    if mixed:  # labels in the cloud model's NLL of the text (text_label.py)
+        meta["label_space"] = LABEL_SPACE
+        meta["label_rule"] = {"rule": LABEL_RULE, "max_tokens": opts.max_tokens}
+        return _label_text(prompts, opts, edge, cloud, paths, todo, meta)
     if routed_by is not None:
         meta["routed_by"] = routed_by
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
@@ -152,6 +163,43 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         if bar is not None:
             bar.close()
         stepper.close()
+        edge.close()
+        cloud.close()
+    return paths
+
+
+def _label_text(
+    prompts: list[str],
+    opts: LabelOptions,
+    edge: LlamaModel,
+    cloud: LlamaModel,
+    paths: list[Path],
+    todo: list[int],
+    meta: dict,
+) -> list[Path]:
+    """A mixed pair: each prompt labelled on text in the cloud's terms (text_label.py)."""
+    per = opts.prompts_per_shard
+    bar = _progress(len(todo) * per, opts.progress)
+    labeller = TextLabeller(edge, cloud, threads=opts.threads)
+    try:
+        for i in todo:
+            chunk = prompts[i * per : (i + 1) * per]
+            t0 = time.perf_counter()
+            rows: dict[str, list] = {c: [] for c in COLUMNS}
+            for k, p in enumerate(chunk):
+                got = labeller.label_prompt(
+                    chat(edge, opts.system_prompt, p), chat(cloud, opts.system_prompt, p), i * per + k, opts.max_tokens
+                )
+                for key, col in got.items():
+                    rows[key].extend(col)
+            write_shard(paths[i], make_records(rows, dict(meta, prompts=chunk, first_prompt_id=i * per)))
+            log.debug("shard %d: %d positions in %.1fs", i, len(rows["proposed"]), time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+        labeller.close()
         edge.close()
         cloud.close()
     return paths

@@ -17,22 +17,26 @@ tokenizer cuts finer. The x axis is the share of answer bytes the cloud wrote. T
 at 30% cloud bytes is (edge-only − method) / (edge-only − cloud-only), with each method's curve
 interpolated at 0.3.
 
-Methods: entropy (thresholds at quantiles of the device's entropy scores along the edge-only
-answers of the same prompts) and random (threshold 1 − f on uniform scores); edge-only and
-cloud-only (every position asked: the cloud's own text, up to ties). No learned router is
-shipped for a mixed pair yet: `tokenrouter-train label/fit` still label in one vocabulary.
+Methods: learned (the router file trained for this pair by `tokenrouter-train label` + `fit`,
+labels in the cloud's NLL of the text: text_label.py; skipped when no file is given) and entropy,
+both with thresholds at quantiles of their own scores along the edge-only answers of the same
+prompts (one calibration rule for both), and random (threshold 1 − f on uniform scores);
+edge-only and cloud-only (every position asked: the cloud's own text, up to ties). The gap
+recovered comes with a 95% bootstrap interval over prompts (as evaluate.py's `gap_interval`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from models.registry import model_info
 from shared.decision import cloud_choice
+from shared.learned_router import LearnedRouter, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
@@ -41,7 +45,7 @@ from shared.router import HeuristicRouter, RandomRouter, Router
 from shared.sampling import Sampler
 from shared.text_history import SPAN_TOKENS, AnswerText, common_prefix, complete_utf8, span_done
 
-TEXT_METHODS = ("entropy", "random")
+TEXT_METHODS = ("learned", "entropy", "random")
 DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3)  # of positions asked: a span takes ~2-3x in bytes
 
 
@@ -54,6 +58,7 @@ class TextEvalOptions:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     threads: int | None = 1
     seed: int = 0
+    router: Path | None = None  # the learned router for this pair (None: entropy and random only)
 
 
 class _Side:
@@ -126,6 +131,7 @@ class _Answer:
     text: bytes = b""
     cloud_bytes: int = 0
     scores: list[float] = field(default_factory=list)
+    also: list[float] = field(default_factory=list)  # a second router's scores (calibration)
 
 
 def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
@@ -162,6 +168,7 @@ def _routed(
     policy: RoutingPolicy | None,
     max_tokens: int,
     always: bool = False,
+    also: Router | None = None,
 ) -> _Answer:
     """One answer by the text-mode rule (the module docstring). `router` None: the device alone
     (`always`: the cloud at every position)."""
@@ -177,6 +184,8 @@ def _routed(
         proposed = int(np.argmax(logits))
         score = router.score(hidden, logits, proposed) if router is not None else 0.0
         a.scores.append(score)
+        if also is not None:
+            a.also.append(also.score(hidden, logits, proposed))
         hard = always or (policy is not None and policy.decide(score))
         if hard and complete_utf8(a.text) == len(a.text):
             span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
@@ -211,6 +220,10 @@ def evaluate_text(
         raise ValueError("no prompts to evaluate")
     t0 = time.perf_counter()
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
+    learned: LearnedRouter | None = None
+    if opts.router is not None:  # refuses a router trained for another device or cloud model
+        learned = load_router(opts.router, edge_info, cloud=cloud_info)
+    methods = [m for m in TEXT_METHODS if m != "learned" or learned is not None]
     em, cm = LlamaModel(edge_info), LlamaModel(cloud_info)
     edge = _Side(em, 2048, opts.threads, embeddings=True)
     cloud = _Side(cm, 2048, opts.threads, embeddings=False)
@@ -222,41 +235,47 @@ def evaluate_text(
         entropy = HeuristicRouter("entropy", em.n_vocab)
         answers: dict[tuple[str, float], list[_Answer]] = {}
         answers[("edge-only", 0.0)] = [
-            _routed(edge, cloud, e, c, entropy, None, opts.max_tokens) for e, c in zip(eprompts, cprompts)
+            _routed(edge, cloud, e, c, entropy, None, opts.max_tokens, also=learned) for e, c in zip(eprompts, cprompts)
         ]
         answers[("cloud-only", 1.0)] = [
             _routed(edge, cloud, e, c, None, None, opts.max_tokens, always=True) for e, c in zip(eprompts, cprompts)
         ]
         scores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.scores])
+        lscores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.also])
         for f in opts.fractions:
             thresholds = {"entropy": float(np.quantile(scores, 1.0 - f)), "random": 1.0 - f}
-            for method in TEXT_METHODS:
+            if learned is not None:
+                thresholds["learned"] = float(np.quantile(lscores, 1.0 - f))
+            for method in methods:
                 got = []
                 for k, (e, c) in enumerate(zip(eprompts, cprompts)):
-                    router: Router = (
-                        entropy
-                        if method == "entropy"
-                        else RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
-                    )
+                    router: Router
+                    if method == "learned" and learned is not None:
+                        router = learned
+                    elif method == "entropy":
+                        router = entropy
+                    else:
+                        router = RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
                     policy = RoutingPolicy(PolicyConfig("router", threshold=thresholds[method]))
                     got.append(_routed(edge, cloud, e, c, router, policy, opts.max_tokens))
                 answers[(method, f)] = got
             if on_progress is not None:
                 on_progress(1)
         points: dict[str, list[dict[str, float]]] = {}
+        per_prompt: dict[tuple[str, float], np.ndarray] = {}  # [3, prompts]: NLL, bytes, cloud bytes
         for (method, f), got in answers.items():
-            nll = total = cbytes = 0
-            for a, c in zip(got, cprompts):
+            table = np.zeros((3, len(got)))
+            for k, (a, c) in enumerate(zip(got, cprompts)):
                 cloud.start(c)
-                nll += cloud.nll(a.text)
-                total += len(a.text)
-                cbytes += a.cloud_bytes
+                table[:, k] = cloud.nll(a.text), len(a.text), a.cloud_bytes
+            per_prompt[(method, f)] = table
+            nll, total, cbytes = table.sum(axis=1)
             points.setdefault(method, []).append(
                 {
                     "target": f,
                     "cloud_bytes": round(cbytes / max(total, 1), 4),
                     "nll_per_byte": round(nll / max(total, 1), 5),
-                    "bytes": total,
+                    "bytes": int(total),
                 }
             )
     finally:
@@ -266,7 +285,7 @@ def evaluate_text(
         cm.close()
     e0, c1 = points["edge-only"][0]["nll_per_byte"], points["cloud-only"][0]["nll_per_byte"]
     gap = {}
-    for method in TEXT_METHODS:
+    for method in methods:
         curve = sorted([(0.0, e0)] + [(p["cloud_bytes"], p["nll_per_byte"]) for p in points[method]] + [(1.0, c1)])
         at30 = float(np.interp(0.3, [x for x, _ in curve], [y for _, y in curve]))
         gap[method] = round((e0 - at30) / (e0 - c1), 4) if e0 != c1 else float("nan")
@@ -279,5 +298,43 @@ def evaluate_text(
         "max_tokens": opts.max_tokens,
         "points": points,
         "gap_recovered_at_30_bytes": gap,
+        "gap_recovered_at_30_bytes_ci95": gap_interval_text(per_prompt, methods, seed=opts.seed),
+        "router": str(opts.router) if learned is not None else None,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def gap_interval_text(
+    per_prompt: dict[tuple[str, float], np.ndarray], methods: list[str], n_boot: int = 1000, seed: int = 0
+) -> dict[str, list[float]]:
+    """95% bootstrap interval of the gap recovered at 30% cloud bytes over prompts (resampled with
+    replacement; evaluate.py's `gap_interval` on bytes). per_prompt[(method, target)]: rows NLL,
+    bytes, cloud bytes per prompt."""
+    n = per_prompt[("edge-only", 0.0)].shape[1]
+    counts = np.random.default_rng(seed).multinomial(n, [1 / n] * n, size=n_boot).T  # [prompts, n_boot]
+
+    def boot(key: tuple[str, float]) -> tuple[np.ndarray, np.ndarray]:
+        nll, total, cbytes = per_prompt[key] @ counts
+        total = np.maximum(total, 1)
+        return nll / total, cbytes / total
+
+    edge, _ = boot(("edge-only", 0.0))
+    cloud, _ = boot(("cloud-only", 1.0))
+    out: dict[str, list[float]] = {}
+    for m in methods:
+        curves = [boot(k) for k in sorted(per_prompt) if k[0] == m]
+        ys, xs = np.array([c[0] for c in curves]), np.array([c[1] for c in curves])  # [targets, n_boot]
+        gaps = []
+        for b in range(n_boot):
+            if edge[b] - cloud[b] <= 0:
+                continue
+            x = np.concatenate([[0.0], xs[:, b], [1.0]])
+            y = np.concatenate([[edge[b]], ys[:, b], [cloud[b]]])
+            order = np.argsort(x, kind="stable")
+            gaps.append((edge[b] - np.interp(0.3, x[order], y[order])) / (edge[b] - cloud[b]))
+        out[m] = (
+            [round(float(np.percentile(gaps, 2.5)), 4), round(float(np.percentile(gaps, 97.5)), 4)]
+            if gaps
+            else [float("nan")] * 2
+        )
+    return out
