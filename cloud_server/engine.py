@@ -228,6 +228,14 @@ class CloudEngine:
         s = self._seqs[handle]
         return int(np.argmax(s.ready)) if s.ready is not None and s.has_ready else -1
 
+    def peek_guess(self, handle: int) -> Guess | None:
+        """`peek` with the most likely tokens and their log-probabilities (text mode's lookahead
+        guess, shared/text_history.py `TextGuess`); None when no kept logits describe the history."""
+        s = self._seqs[handle]
+        if s.ready is None or not s.has_ready:
+            return None
+        return Guess.of(s.ready, int(np.argmax(s.ready)))
+
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 

@@ -166,6 +166,11 @@ class TextEngine(Engine, Protocol):
         it (-1: none kept). The span rule looks at it to stop before a new word."""
         ...
 
+    def peek_guess(self, handle: int) -> Guess | None:
+        """The same position's most likely tokens with their log-probabilities (None: no logits
+        kept): text mode's lookahead guess."""
+        ...
+
 
 @runtime_checkable
 class Worker(Protocol):

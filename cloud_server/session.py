@@ -44,6 +44,7 @@ from cloud_server.text_session import SpanPiece, TextSession
 from shared.model_info import ModelInfo
 from shared.protocol import (
     CAP_GENERATE,
+    CAP_GUESS,
     CAP_VERIFY,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
@@ -256,7 +257,9 @@ class Connection:
                 prompt_hash=token_hash(prompt),
                 max_message_bytes=self.config.max_message_bytes,
                 version=min(msg.version, PROTOCOL_VERSION),
-                capabilities=[CAP_GENERATE] + [CAP_VERIFY] * self.caps.verify if text_mode else self.caps.names(),
+                capabilities=(
+                    [CAP_GENERATE, CAP_GUESS] + [CAP_VERIFY] * self.caps.verify if text_mode else self.caps.names()
+                ),
                 max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify else 0,
                 mode="text" if text_mode else "tokens",
             )
@@ -526,6 +529,8 @@ class Connection:
                     final=piece.final,
                     eog=piece.eog,
                     prefill_ms=prefill_ms,
+                    guess_texts=[p.decode("utf-8") for p in piece.guess.pieces] if piece.guess else [],
+                    guess_logprobs=list(piece.guess.logprobs) if piece.guess else [],
                 )
             )
             sent = True
@@ -533,7 +538,12 @@ class Connection:
         try:
             with engine_errors():
                 await text.span(
-                    msg.proposed_text, msg.max_tokens, msg.at_word, lambda: self._admit_hard_tokens(st, 1), emit
+                    msg.proposed_text,
+                    msg.max_tokens,
+                    msg.at_word,
+                    lambda: self._admit_hard_tokens(st, 1),
+                    emit,
+                    lookahead=msg.lookahead,
                 )
         except Exception:
             # nothing sent: the request leaves the answer as it was (the device may retry there);

@@ -8,9 +8,13 @@ common token prefix, roll back the rest, append the new tokens; the KV cache fol
 
 A hard position (`text_generate`) writes a span of the cloud's own tokens: the first through
 the engine's `generate` (with the device's proposed token when its text is one token of this
-model: the tie rule of shared/decision.py), the others until `span_done` says stop. To know
+model: the tie rule of shared/decision.py), the others until `span_done` says stop, or until a
+base model starts the transcript's next line (`AnswerText.stop_cut`: the answer ends there). To know
 whether the next token starts a new word, the engine decodes the token just written (the
 decode the next sync's prefill would make) and peeks at its most likely successor.
+
+With `lookahead` the reply lists the cloud's most likely next pieces (`TextGuess`, from the logits
+the span rule peeked at; shared/text_history.py "The cloud's lookahead guess in text mode").
 
 The cloud's check (`text_verify`, `check`): the drafted text's tokens under this model's
 tokenizer (shared/text_history.py, `plan_check`) are judged in one batched pass by the engine's
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from cloud_server.engine_api import GenerateResult, NotSupported, TextEngine, Worker
-from shared.text_history import SPAN_TOKENS, complete_utf8, plan_check, span_done
+from shared.text_history import SPAN_TOKENS, UTF8_EXTRA, TextGuess, complete_utf8, plan_check, span_done
 
 
 @dataclass(slots=True)
@@ -43,6 +47,7 @@ class SpanPiece:
     compute_s: float
     final: bool
     eog: bool
+    guess: TextGuess | None = None  # the cloud's most likely next pieces (asked with lookahead)
 
 
 class TextSession:
@@ -83,12 +88,15 @@ class TextSession:
         admit: Callable[[], None],
         emit: Callable[[SpanPiece], Awaitable[None]],
         first: GenerateResult | None = None,
+        lookahead: bool = False,
     ) -> None:
         """Write the cloud's span after the text (shared/text_history.py, `span_done`), handing
         the text to `emit`: once (a span), or piece by piece with `at_word` False (a stream).
         `admit` is called before each token after the first (quotas; it may raise). On an error
         the engine's history may hold tokens of no emitted text: the caller rolls back. `first`: the
-        span's first token, already in the engine's history (a check's choice at its rejection)."""
+        span's first token, already in the engine's history (a check's choice at its rejection).
+        `lookahead`: a span that did not end the answer comes with the cloud's guess for the next
+        position (`TextGuess`, from the logits the span rule looked at anyway)."""
         engine, worker, handle = self.engine, self.worker, self.handle
         written = bytearray()  # this piece's bytes (the seam not yet removed)
         tokens: list[int] = []
@@ -107,13 +115,21 @@ class TextSession:
                 eog = True
                 break
             written += self.view.token_bytes(result.token)
+            cut = self.view.stop_cut(self.text, bytes(written))
+            if cut is not None:  # a base model began the person's next line: the answer ends here
+                del written[cut:]
+                eog = True
+                break
+            pending = self.view.stop_pending(self.text, bytes(written))
             if not at_word:
                 done = span_done(bytes(written), n, max_tokens, None, at_word=False)
                 whole = complete_utf8(written)
-                if not done and whole and n % SPAN_TOKENS == 0:  # stream whole characters as they come
+                if not done and whole and not pending and n % SPAN_TOKENS == 0:  # stream whole characters
                     await self._emit(emit, written[:whole], tokens, logprob, compute, final=False, eog=False)
                     del written[:whole]
                     tokens, logprob, compute = [], 0.0, 0.0
+            elif pending:  # the start of the stop text: the next tokens decide (within the cap)
+                done = n >= max_tokens + UTF8_EXTRA
             elif span_done(bytes(written), n, max_tokens, b"a"):  # the cap decides: no need to look ahead
                 done = True
             elif complete_utf8(written) != len(written):
@@ -136,7 +152,12 @@ class TextSession:
             admit()
             result = await worker.generate(handle)
         whole = written[: complete_utf8(written)]  # trailing bytes of an unfinished character are dropped
-        await self._emit(emit, whole, tokens, logprob, compute, final=True, eog=eog)
+        guess = None
+        if lookahead and at_word and not eog and len(whole) == len(written):
+            compute += await worker.prefill(handle)  # (done already where the span rule looked ahead)
+            top = await worker.call(engine.peek_guess, handle)
+            guess = TextGuess.of(top, self.view, engine.is_eog) if top is not None else None
+        await self._emit(emit, whole, tokens, logprob, compute, final=True, eog=eog, guess=guess)
 
     async def check(
         self,
@@ -204,10 +225,11 @@ class TextSession:
         compute_s: float,
         final: bool,
         eog: bool,
+        guess: TextGuess | None = None,
     ) -> None:
         """Add `written` to the shared text (the seam removed at the answer's start), bring the
         engine's history to it (a partial last token is rolled back), then hand it out."""
         position = len(self.text)
         self.text = self.view.join(self.text, bytes(written))
         await self._follow()
-        await emit(SpanPiece(position, self.text[position:], tokens, logprob, compute_s, final, eog))
+        await emit(SpanPiece(position, self.text[position:], tokens, logprob, compute_s, final, eog, guess))

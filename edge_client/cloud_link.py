@@ -61,6 +61,7 @@ from shared.protocol import (
     token_hash,
 )
 from shared.sampling import Guess
+from shared.text_history import TextGuess
 
 
 class CloudUnavailable(ConnectionError):
@@ -104,6 +105,7 @@ class CloudText:
     n_tokens: int
     logprob: float
     eog: bool
+    guess: TextGuess | None = None  # the cloud's most likely next pieces (a span asked with lookahead)
 
 
 class CloudLink:
@@ -395,11 +397,13 @@ class CloudLink:
         max_tokens: int = 4,
         at_word: bool = True,
         on_text: Callable[[CloudText], bool] | None = None,
+        lookahead: bool = False,
     ) -> CloudText:
         """Send `pending` device text plus a hard position; returns the cloud's text (a span,
         shared/text_history.py), all of it: with `at_word` False a stream of up to `max_tokens`
         cloud tokens, each piece shown to `on_text` as it comes (False: stop listening; the link
-        then closes, since the cloud is still writing). `proposed`: the device's token's text."""
+        then closes, since the cloud is still writing). `proposed`: the device's token's text.
+        `lookahead`: the span comes with the cloud's guess for the next position (`CloudText.guess`)."""
         request_id = self._next_request
         self._next_request += 1
         self._send(
@@ -411,6 +415,7 @@ class CloudLink:
                 max_tokens=max_tokens,
                 at_word=at_word,
                 hidden=None if hidden is None else hidden.astype(np.float16),
+                lookahead=lookahead,
             )
         )
         self.held_text += pending
@@ -435,8 +440,11 @@ class CloudLink:
             self.stats.background_ms += reply.prefill_ms
             piece = CloudText(reply.text.encode("utf-8"), reply.n_tokens, reply.logprob, reply.eog)
             self.held_text += piece.text
+            guess = None
+            if reply.guess_texts:
+                guess = TextGuess([t.encode("utf-8") for t in reply.guess_texts], list(reply.guess_logprobs))
             out = CloudText(
-                out.text + piece.text, out.n_tokens + piece.n_tokens, out.logprob + piece.logprob, piece.eog
+                out.text + piece.text, out.n_tokens + piece.n_tokens, out.logprob + piece.logprob, piece.eog, guess
             )
             if on_text is not None and on_text(piece) is False and not reply.final:
                 self.close_quietly()  # the cloud is still writing into this session

@@ -307,10 +307,13 @@ class CloudSession:
         """The device took the cloud's text: its history (of `history_len`) is what the cloud holds."""
         self._covered = history_len
 
-    def ask_text(self, history: list[int], proposed: bytes, hidden: np.ndarray) -> CloudText | None:
+    def ask_text(
+        self, history: list[int], proposed: bytes, hidden: np.ndarray, lookahead: bool = False
+    ) -> CloudText | None:
         """Text mode: the cloud's span for the position after `history` (its text joins the answer
         on both sides), or None: the device writes the position (a fallback). None also where the
-        device's text ends inside a character (the cloud can only be asked on whole characters)."""
+        device's text ends inside a character (the cloud can only be asked on whole characters).
+        `lookahead`: ask for the cloud's guess for the next position with the span."""
         link = self.link
         assert link is not None and self.answer_text is not None
         try:
@@ -318,7 +321,9 @@ class CloudSession:
             if complete_utf8(answer) != len(answer):
                 return None
             pending = self._pending_text(history)
-            return link.text_generate(pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS)
+            return link.text_generate(
+                pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS, lookahead=lookahead
+            )
         except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
             self.timeouts += 1
             if link.consecutive_timeouts >= self.max_consecutive_timeouts:

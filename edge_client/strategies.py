@@ -13,7 +13,8 @@ The generator (edge_client/generator.py) runs one strategy at a time over a
     DraftVerify  draft to a clause end, one `verify` of the flagged drafts, or of all of
                  them (replay's router-verify and speculative)
     TextPerToken text mode (protocol v3): PerToken's rule, a hard position gets the cloud's
-                 text span, which the device re-tokenizes (shared/text_history.py)
+                 text span, which the device re-tokenizes, and its guess for the next
+                 position as text (shared/text_history.py)
     TextStream   text mode, policy `cloud`: the cloud writes the rest, streamed as text
     TextClauseCheck  text mode, the cloud's check: ClauseCheck's draft, one `text_verify` judges
                  the clause's text under the cloud's own tokenization
@@ -43,7 +44,7 @@ from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
 from shared.sampling import Sampler
-from shared.text_history import AnswerText, complete_utf8
+from shared.text_history import AnswerText, TextGuess, complete_utf8
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Turn:
     router_ms: list[float] = field(default_factory=list)
     text: AnswerText | None = None  # text mode: the device model's view of the answer text
     prompt_len: int = 0  # where the answer starts in the decoder's history
+    text_guess: TextGuess | None = None  # text mode: the cloud's guess that came with its last span
 
     @property
     def answer(self) -> Answer:
@@ -104,12 +106,20 @@ class Turn:
             self.decoder.truncate(start + accepted)
             self.decoder.append(token)
 
-    def take_text(self, got: CloudText, score: float | None, route: Route = "cloud", overruled: bool = False) -> None:
+    def take_text(
+        self,
+        got: CloudText,
+        score: float | None,
+        route: Route = "cloud",
+        overruled: bool = False,
+        lookahead: bool = False,
+    ) -> None:
         """Text mode: the cloud's text joins the answer. The device re-tokenizes the answer and
         keeps its KV cache for the common token prefix (shared/text_history.py: a partial last
         token of its own is rolled back), and releases the text as its own tokens, routed cloud
         (the first with the router's score; `route` "edge": the device's own text, `overruled`: the
-        first replaces a checked draft); an end of the answer as its end-of-turn token.
+        first replaces a checked draft, `lookahead`: it is the cloud's guess the device took); an
+        end of the answer as its end-of-turn token.
         Text past the answer's room (`max_tokens`) is left out, as the device alone would stop."""
         dec, view, start = self.decoder, self.text, self.prompt_len
         assert view is not None
@@ -129,7 +139,9 @@ class Turn:
         dec.history.extend(add)  # decoded when next needed (the KV cache follows lazily)
         self.cloud.text_taken(len(dec.history))
         for i, token in enumerate(pieces):
-            self.out.release(token, route, score if i == 0 else None, overruled=overruled and i == 0)
+            self.out.release(
+                token, route, score if i == 0 else None, overruled=overruled and i == 0, lookahead=lookahead
+            )
 
     def sync_eagerly(self) -> None:
         """Send the final device tokens the cloud lacks once there are `sync_every` of them."""
@@ -274,25 +286,36 @@ class Span:
 
 
 class TextPerToken:
-    """Text mode (protocol v3): the router decides each position as in PerToken (no lookahead
-    guess: text mode has none); a hard position is one `text_generate`, whose span of the
-    cloud's text the device takes (`Turn.take_text`). If the cloud cannot answer (lost, slow,
-    or the device's text ends inside a character), the device writes the position (a fallback)."""
+    """Text mode (protocol v3): PerToken's rule over text. A hard position is one
+    `text_generate`, whose span of the cloud's text the device takes (`Turn.take_text`); with
+    lookahead the span brings the cloud's guess for the next position (`TextGuess`), which then
+    decides that position instead of the router: the device's token stands if the cloud finds its
+    bytes close enough, else the device takes the guess's text. If the cloud cannot answer (lost,
+    slow, or the device's text ends inside a character), the device writes the position (a fallback)."""
 
     def run(self, turn: Turn) -> None:
-        rule, cloud = turn.rule, turn.cloud
+        rule, cloud, model = turn.rule, turn.cloud, turn.model
         logits, hidden = turn.decoder.next_distribution()
         proposed = turn.sampler.sample(logits)
-        score, flagged = turn.flag(hidden, logits, proposed)
-        step = rule.step(flagged, None, proposed)
+        text_guess, turn.text_guess = (turn.text_guess if rule.guess_due else None), None
+        guess = text_guess.for_tokens(model.token_bytes, model.is_eog) if text_guess is not None else None
+        score, flagged = turn.flag(hidden, logits, proposed) if rule.router_asked(guess) else (None, None)
+        step = rule.step(flagged, guess, proposed)
+        if step is Step.GUESS_TAKE and text_guess is not None:  # the cloud's guess, no round trip
+            best = text_guess.best
+            turn.take_text(CloudText(best, 1, text_guess.logprobs[0], not best), None, lookahead=True)
+            rule.written(turn.answer.tokens[-1])
+            turn.sync_eagerly()
+            return
         if step is Step.ASK and cloud.up:
-            got = cloud.ask_text(turn.decoder.history, turn.model.token_bytes(proposed), hidden)
+            got = cloud.ask_text(turn.decoder.history, model.token_bytes(proposed), hidden, turn.opts.lookahead)
             if got is not None and (got.text or got.eog):  # (a span of only a cut character brings nothing)
                 turn.take_text(got, score)
+                turn.text_guess = got.guess
                 rule.written(turn.answer.tokens[-1], cloud_answered=True)
                 turn.sync_eagerly()
                 return
-        turn.write(proposed, "edge", score, fallback=step is Step.ASK and cloud.configured)
+        turn.write(proposed, "edge", score, fallback=step is Step.ASK and cloud.configured, lookahead=guess is not None)
         rule.written(proposed)
         turn.sync_eagerly()
 

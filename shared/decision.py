@@ -15,7 +15,9 @@ At each position of an answer the device has proposed a token. Then, in order:
    others within `check_nats`. Nothing else is asked.
 2. **A lookahead guess** (the last token was a cloud round trip with
    lookahead on, and the guess arrived in time): the guess alone decides
-   (`take_guess`); the router is not asked.
+   (`take_guess`); the router is not asked. In text mode the guess is the
+   cloud's next pieces as text, judged on the device token's bytes
+   (shared/text_history.py, `TextGuess`).
 3. **The router**: a flagged position asks the cloud (one `generate`); the
    cloud writes its choice (`cloud_choice`). Otherwise the device's token
    stands.
@@ -31,11 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
-from shared.sampling import Guess, Sampler, regret
+from shared.sampling import Sampler, regret
 
 TIE_NATS = 0.5
 """A token this close to the best (in nats, a difference of logits) is a tie under greedy
@@ -112,7 +114,14 @@ def judge_draft(
     return -1 if token == draft else token
 
 
-def take_guess(guess: Guess, proposed: int, lookahead_nats: float) -> bool:
+class GuessJudge(Protocol):
+    """A lookahead guess as the rule asks it: how much worse the device's token is. Token mode's
+    `Guess`; text mode's `TextGuess.for_tokens` (shared/text_history.py)."""
+
+    def regret(self, token: int) -> float: ...
+
+
+def take_guess(guess: GuessJudge, proposed: int, lookahead_nats: float) -> bool:
     """The cloud's lookahead guess replaces the device's token: the cloud finds it more than
     `lookahead_nats` less likely than the guess (a token outside the guess's top list counts
     as worse)."""
@@ -154,11 +163,11 @@ class AnswerRule:
         self.guess_due = False
         self._after_clause_end = False
 
-    def router_asked(self, guess: Guess | None) -> bool:
+    def router_asked(self, guess: GuessJudge | None) -> bool:
         """Whether the router scores this position: always while checking, else unless a guess decides."""
         return self.checking or guess is None
 
-    def step(self, flagged: bool | None, guess: Guess | None, proposed: int) -> Step:
+    def step(self, flagged: bool | None, guess: GuessJudge | None, proposed: int) -> Step:
         """What happens at this position (the module docstring's order)."""
         if self.checking:
             return Step.DRAFT

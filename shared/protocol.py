@@ -320,6 +320,7 @@ class TextGenerate:
     max_tokens: int = 4
     at_word: bool = True
     hidden: np.ndarray | None = None
+    lookahead: bool = False  # list the cloud's most likely next pieces with the reply (its guess)
 
 
 @dataclass(slots=True)
@@ -337,6 +338,10 @@ class TextReply(Work):
     final: bool = True
     eog: bool = False  # the answer ends after `text`
     prefill_ms: float = 0.0
+    # with `lookahead`, where the span stopped before a new word: the cloud's most likely next
+    # pieces (text; "" = the end of the answer), most likely first, and their log-probabilities
+    guess_texts: list[str] = field(default_factory=list)
+    guess_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -559,6 +564,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
 _WORK = frozenset(WORK_FIELDS)
 _TOKEN_RANGE = (0, INT32_MAX)  # each item of tokens, ids, top_ids, check
 _FLOAT_MIN: dict[str, float] = {"tolerance": 0.0, "compute_ms": 0.0, "prefill_ms": 0.0}
+_TEXT_LIST_FIELDS = frozenset({"guess_texts"})
 _ID_FIELDS = frozenset({"api_key", "edge_model", "tokenizer", "client"})  # short identifiers: no control characters
 
 
@@ -629,6 +635,9 @@ def _check(mtype: str, name: str, value: Any, hint: Any) -> Any:
         elif item is dict:
             if not all(isinstance(v, dict) for v in value):
                 raise _bad(mtype, name, "must hold objects")
+        elif item is str and name in _TEXT_LIST_FIELDS:  # pieces of text: any whole characters
+            if len(value) > NEXT_TOP or not all(_is_text(v) and len(v) <= MAX_ID_CHARS for v in value):
+                raise _bad(mtype, name, f"must hold at most {NEXT_TOP} strings of at most {MAX_ID_CHARS} characters")
         elif item is str:  # capability names: short identifiers
             if len(value) > MAX_CAPABILITIES or not all(
                 _is_text(v) and len(v) <= MAX_ID_CHARS and not _has_control(v) for v in value
@@ -659,6 +668,8 @@ def _check_ranges(msg: Message) -> None:
             raise _bad("text_verify", "check", "must hold non-empty ranges")
         if msg.hidden is not None and (not c or msg.hidden.size == 0 or msg.hidden.size % (len(c) // 2)):
             raise _bad("text_verify", "hidden", f"must hold one equal row per flagged range ({len(c) // 2})")
+    if isinstance(msg, TextReply) and len(msg.guess_texts) != len(msg.guess_logprobs):
+        raise _bad("text_reply", "guess_logprobs", "must have as many items as guess_texts")
     if isinstance(msg, Next) and len(msg.top_ids) != len(msg.top_logprobs):
         raise _bad("next", "top_logprobs", "must have as many items as top_ids")
     if isinstance(msg, Tokens) and len(msg.ids) != len(msg.logprobs):

@@ -45,6 +45,19 @@ character and never before the drafted text (a token that began in the shared te
 the cloud then writes its span from there, as at a hard position. A drafted end of the answer
 (`eog`) is judged as the cloud's end-of-generation token after the drafted text.
 
+**The cloud's lookahead guess in text mode** (`TextGuess`): where a span stops before a new
+word, the cloud has just looked at the logits of the position after it (the span rule's peek), so
+its most likely next tokens come free with the reply (`text_reply.guess_texts`), as their text
+("" for the end of the answer). At the device's next position the guess decides, as in token mode
+(shared/decision.py, `take_guess`), without asking the router: the device's token stands if the
+cloud finds its bytes at most `lookahead_nats` less likely than its best guess, else the device
+takes the best guess's text. The device's bytes are judged string-level against the listed
+pieces: their probability is at least the summed probability of the listed pieces that begin
+with them (the device's " Par" is what the cloud's " Paris" and " Parliament" begin with), and a
+device token no listed piece begins with counts as worse than all (as a token outside the top
+list does in token mode). Exact in the common case here: the cloud's 262k-token vocabulary holds
+whole words where the device's 49k splits them.
+
 **Whole characters.** The device sends text only up to the last whole character and asks the
 cloud only where its text ends on one (a hard position inside a multi-byte character, rare, is
 written by the device); messages carry text as JSON strings and `byte_position` counts UTF-8
@@ -59,19 +72,33 @@ control tokens read as nothing (`LlamaModel.token_bytes`). The end of the answer
 "...\\nAssistant:") reads the answer after a space, as its training text had it: its answer
 tokens are those of " " + text (`AnswerText.seam`), and a space it writes first is not part of
 the shared text (`AnswerText.join`). A chat model's template ends with a newline: no seam.
+
+**The end of a transcript turn** (`AnswerText.stop`, `TRANSCRIPT_STOP`): such a base model has
+no end-of-turn token of its own; it ends its line and goes on with the transcript ("\\nUser: …",
+then an "Assistant:" line of its own). Gemma-3-270M base did so within 56 tokens on 17 of 20
+CLINC150 val queries (the other three repeat a sentence); before this rule its routed answers
+were 3x the device's length, and 31% of the hard positions the learned router was trained on
+were the transcript's "\\n", "User", ":". So for
+such a model the answer ends where its text starts the person's next line: the text is cut
+before "\\nUser:" and the answer ends (`stop_cut`). A span does not stop on a word boundary
+while its text ends with the start of that marker (`stop_pending`, e.g. "\\n" or "\\nUs"), so a
+half-written marker never reaches the device. The labels and the eval apply the same cut.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from shared.llama_backend import LlamaModel
+from shared.sampling import Guess
 
 SPAN_TOKENS = 4  # the most cloud tokens one hard position writes, unless a character is unfinished
 UTF8_EXTRA = 4  # more tokens allowed to finish a multi-byte character after the cap
 _PUNCT = frozenset(b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 _SPACE = frozenset(b" \t\n\r\x0b\x0c")
+TRANSCRIPT_STOP = b"\nUser:"  # a base model's answer ends where it starts the person's next line
 
 
 def complete_utf8(data: bytes) -> int:
@@ -88,6 +115,14 @@ def complete_utf8(data: bytes) -> int:
             need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
             return n if back >= need else n - back
     return n  # only continuation bytes in reach: leave it to the decoder
+
+
+def _whole_text(piece: bytes) -> bool:
+    """`piece` is non-empty text of whole UTF-8 characters (a byte-fallback token is not)."""
+    try:
+        return bool(piece.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
 
 
 def starts_word(piece: bytes) -> bool:
@@ -118,19 +153,28 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class AnswerText:
     """One side's view of the shared answer: text -> its own tokens, and back."""
 
-    def __init__(self, tokenize: Callable[[str], list[int]], token_bytes: Callable[[int], bytes], seam: bytes = b""):
+    def __init__(
+        self,
+        tokenize: Callable[[str], list[int]],
+        token_bytes: Callable[[int], bytes],
+        seam: bytes = b"",
+        stop: bytes = b"",
+    ):
         self._tokenize = tokenize
         self.token_bytes = token_bytes
         self.seam = seam
+        self.stop = stop  # text that ends this model's answer (module docstring); b"": none
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> AnswerText:
         """The view of `model`: plain-text tokenization (no special tokens parsed, no BOS), and the
-        seam of a model without a chat template."""
+        seam and the transcript's stop text of a model without a chat template."""
+        chat = model.has_chat_template
         return cls(
             lambda s: model.tokenize(s, add_special=False, parse_special=False),
             model.token_bytes,
-            b"" if model.has_chat_template else b" ",
+            b"" if chat else b" ",
+            b"" if chat else TRANSCRIPT_STOP,
         )
 
     def tokens(self, text: bytes) -> list[int]:
@@ -149,6 +193,26 @@ class AnswerText:
         if not text and self.seam and written.startswith(self.seam):
             written = written[len(self.seam) :]
         return text + written
+
+    def stop_cut(self, text: bytes, written: bytes) -> int | None:
+        """This side wrote `written` after answer `text`: if the answer now holds its stop text,
+        how many bytes of `written` stand (the text before the stop; 0 when the stop began in
+        `text`); None if it does not (module docstring, "The end of a transcript turn")."""
+        if not self.stop:
+            return None
+        answer = self.join(text, written)
+        at = answer.find(self.stop, max(0, len(text) - len(self.stop) + 1))
+        if at < 0:
+            return None
+        return max(0, len(written) - (len(answer) - max(at, len(text))))
+
+    def stop_pending(self, text: bytes, written: bytes) -> bool:
+        """The answer (`written` after `text`) ends with the start of this side's stop text: the
+        next tokens decide whether the answer ends there, so a span goes on."""
+        if not self.stop:
+            return False
+        answer = self.join(text, written)
+        return any(answer.endswith(self.stop[:k]) for k in range(1, len(self.stop)))
 
     def proposal(self, text: bytes, proposed: bytes) -> int:
         """The other side's next token (its text `proposed`, after answer `text`) as one token of
@@ -235,3 +299,62 @@ def plan_check(
         starts.append(len(drafted))
         drafts.append(eog_token)
     return TextCheck(keep, context, drafts, exact, starts, drafted)
+
+
+@dataclass(frozen=True, slots=True)
+class TextGuess:
+    """The cloud's most likely next pieces after its span, as text (module docstring, "The cloud's
+    lookahead guess in text mode"): most likely first; b"" is the end of the answer."""
+
+    pieces: list[bytes]
+    logprobs: list[float]
+
+    @classmethod
+    def of(cls, guess: Guess, view: AnswerText, is_eog: Callable[[int], bool]) -> TextGuess:
+        """The cloud's token guess as text: pieces that are not whole characters (byte-fallback
+        tokens) and control tokens that read as nothing are left out."""
+        pieces: list[bytes] = []
+        logprobs: list[float] = []
+        for token, logprob in zip(guess.top_ids, guess.top_logprobs):
+            ends = is_eog(token)
+            piece = b"" if ends else view.token_bytes(token)
+            if not ends and not _whole_text(piece):
+                continue
+            pieces.append(piece)
+            logprobs.append(logprob)
+        return cls(pieces, logprobs)
+
+    @property
+    def best(self) -> bytes:
+        return self.pieces[0]
+
+    def regret(self, piece: bytes, ends: bool = False) -> float:
+        """How much less likely the device's next `piece` (or its end of the answer, `ends`) is than
+        the best guess, in nats: infinite when no listed piece begins with it."""
+        if not self.pieces:
+            return math.inf
+        if ends:
+            mass = [lp for p, lp in zip(self.pieces, self.logprobs) if not p]
+        else:
+            mass = [lp for p, lp in zip(self.pieces, self.logprobs) if p and p.startswith(piece)] if piece else []
+        if not mass:
+            return math.inf
+        top = max(mass)
+        return self.logprobs[0] - (top + math.log(sum(math.exp(lp - top) for lp in mass)))
+
+    def for_tokens(self, token_bytes: Callable[[int], bytes], is_eog: Callable[[int], bool]) -> TokenView:
+        """This guess judged per device token (what shared/decision.py's `take_guess` asks)."""
+        return TokenView(self, token_bytes, is_eog)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenView:
+    """A text guess seen from the device's vocabulary: `regret(token)` as `Guess.regret`."""
+
+    guess: TextGuess
+    token_bytes: Callable[[int], bytes]
+    is_eog: Callable[[int], bool]
+
+    def regret(self, token: int) -> float:
+        ends = self.is_eog(token)
+        return self.guess.regret(b"" if ends else self.token_bytes(token), ends)

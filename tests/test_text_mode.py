@@ -46,11 +46,12 @@ from shared.protocol import (
 )
 from shared.router import HeuristicRouter
 from shared.routing_log import read
-from shared.sampling import Sampler, regret
+from shared.sampling import Guess, Sampler, regret
 from shared.text_history import (
     SPAN_TOKENS,
     UTF8_EXTRA,
     AnswerText,
+    TextGuess,
     complete_utf8,
     plan_check,
     span_done,
@@ -177,11 +178,56 @@ def test_special_tokens_and_chat_templates_of_both_models(views):
     assert gv.proposal(b"", b"The") == gv.tokens(b"The")[0], "at the answer's start the seam goes in front"
 
 
+def test_a_base_models_answer_ends_where_it_starts_the_next_line(views):
+    """Gemma-3 base has no end-of-turn of its own: it ends its line and writes the person's next
+    one ("\\nUser: ..."). Its answer ends before that text; a half-written marker is pending."""
+    smol, sv, gemma, gv = views
+    assert gv.stop == b"\nUser:" and sv.stop == b"", "only a model without a chat template has one"
+    assert sv.stop_cut(b"Paris.", b"\nUser: hi") is None and not sv.stop_pending(b"Paris.", b"\n")
+    assert gv.stop_cut(b"It is", b" Paris.\nUser: and") == len(b" Paris."), "cut before the marker"
+    assert gv.stop_cut(b"", b" Paris\nUser:") == len(b" Paris"), "the seam stays with the text"
+    assert gv.stop_cut(b"Paris.\n", b"User:") == 0, "a marker begun in the shared text: nothing more"
+    assert gv.stop_cut(b"Paris.", b" The User: guide") is None, "only at a line's start"
+    assert gv.stop_pending(b"Paris.", b"\n") and gv.stop_pending(b"Paris.\n", b"Us")
+    assert not gv.stop_pending(b"Paris.", b"\nThe") and not gv.stop_pending(b"Paris", b".")
+
+
+def test_a_text_guess_judges_the_devices_bytes(views):
+    """The cloud's guess as text: pieces of whole characters ("" = the end), and the device's
+    token judged by the listed pieces its bytes begin (string-level); no such piece: worse than all."""
+    smol, sv, gemma, gv = views
+    ids = [gv.tokens(b"It is" + w)[-1] for w in (b" Paris", b" Parliament", b" London")]
+    assert [gemma.token_bytes(t) for t in ids] == [b" Paris", b" Parliament", b" London"]
+    half = next(t for t in range(gemma.n_vocab) if len(gemma.token_bytes(t)) == 1 and gemma.token_bytes(t)[0] >= 0x80)
+    lp = [-0.5, -1.5, -2.0, -3.0, -4.0]
+    g = TextGuess.of(Guess(ids[0], lp[0], ids + [half, gemma.eog_token], lp), gv, gemma.is_eog)
+    assert g.pieces == [b" Paris", b" Parliament", b" London", b""] and g.logprobs == [-0.5, -1.5, -2.0, -4.0]
+    assert g.best == b" Paris" and g.regret(b" Paris") == 0.0 and g.regret(b" London") == pytest.approx(1.5)
+    both = np.logaddexp(-0.5, -1.5)
+    assert g.regret(b" Par") == pytest.approx(-0.5 - both), "a prefix of two listed pieces: both count"
+    assert g.regret(b" Berlin") == float("inf") and g.regret(b"", ends=True) == pytest.approx(3.5)
+    device = g.for_tokens(smol.token_bytes, smol.is_eog)
+    par = sv.tokens(b"It is Par")[-1]
+    assert smol.token_bytes(par) == b" Par" and device.regret(par) < 0
+    assert device.regret(smol.eog_token) == pytest.approx(3.5)
+
+
 def test_protocol_v3_messages_round_trip_and_are_checked():
     for msg in (
         TextSync(byte_position=3, text="héllo"),
         TextGenerate(request_id=1, byte_position=0, text="", proposed_text=" the", hidden=np.ones(4, np.float16)),
         TextReply(request_id=1, byte_position=5, text=" 日本", n_tokens=2, logprob=-1.5, compute_ms=2.0, passes=1),
+        TextGenerate(request_id=2, byte_position=9, text="", lookahead=True),
+        TextReply(
+            request_id=2,
+            byte_position=9,
+            text=" Paris",
+            n_tokens=1,
+            logprob=-0.1,
+            compute_ms=1.0,
+            guess_texts=[".\n", "", " 日本"],
+            guess_logprobs=[-0.2, -1.0, -3.0],
+        ),
         TextRollback(byte_position=2),
     ):
         back = decode(encode(msg))
@@ -195,6 +241,12 @@ def test_protocol_v3_messages_round_trip_and_are_checked():
         decode(encode(hello))
     with pytest.raises(ProtocolError, match="byte_position"):
         decode(json.dumps({"type": "text_sync", "byte_position": -1, "text": ""}))
+    reply = {"type": "text_reply", "request_id": 1, "byte_position": 0, "text": "a", "n_tokens": 1, "logprob": 0}
+    reply |= {"compute_ms": 0, "guess_texts": ["b", "c"], "guess_logprobs": [-1.0]}
+    with pytest.raises(ProtocolError, match="guess_logprobs"):
+        decode(json.dumps(reply))
+    with pytest.raises(ProtocolError, match="guess_texts"):
+        decode(json.dumps(reply | {"guess_texts": ["x"] * 9, "guess_logprobs": [0.0] * 9}))
     assert PROTOCOL_VERSION == 3
 
 
@@ -226,7 +278,7 @@ def test_mixed_pair_negotiates_text_mode_and_refuses_it_when_not_offered(gemma_s
         ws.send(_hello(gemma_server, edge_info, "auto"))
         acc = decode(ws.recv(timeout=30))
         assert isinstance(acc, Accept) and acc.mode == "text" and acc.version == 3
-        assert acc.capabilities == ["generate", "verify"] and acc.max_verify_tokens > 0
+        assert acc.capabilities == ["generate", "guess", "verify"] and acc.max_verify_tokens > 0
         ws.send(encode(Sync(position=acc.n_prompt, tokens=[1])))
         err = decode(ws.recv(timeout=30))
         assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER, "token messages in a text session"
@@ -359,25 +411,39 @@ LONG_QUESTIONS = [
 ]
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
-def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model_server, threshold):
+@pytest.mark.parametrize("threshold,lookahead", [(0.0, False), (0.5, False), (0.3, True)])
+def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model_server, threshold, lookahead):
     """The same GGUF on both sides, text mode forced (`text_mode="always"`), greedy, long answers:
     with threshold 0 every position is asked (the cloud writes spans of its own tokens, the
-    device re-tokenizes each), and the text is the device's alone, byte for byte."""
+    device re-tokenizes each), and the text is the device's alone, byte for byte. With lookahead
+    the cloud's text guess decides the position after each span, and changes nothing either."""
     edge_only = make_generator(edge_model, None, mode="edge")
-    gen = make_generator(edge_model, same_model_server, threshold=threshold, text_mode="always", timeout_s=10.0)
+    gen = make_generator(
+        edge_model,
+        same_model_server,
+        threshold=threshold,
+        text_mode="always",
+        timeout_s=10.0,
+        lookahead=lookahead,
+    )
     try:
-        routed = 0
+        routed = guessed = 0
         for q in LONG_QUESTIONS:
             expected = edge_only.generate(chat(q), max_tokens=80)
             a = gen.generate(chat(q), max_tokens=80)
-            assert a.shared_history == "text" and not a.degraded and a.cloud_capabilities == ["generate", "verify"]
+            assert (
+                a.shared_history == "text"
+                and not a.degraded
+                and a.cloud_capabilities == ["generate", "guess", "verify"]
+            )
             assert a.text == expected.text, q
             assert a.n_tokens == expected.n_tokens
             routed += a.n_cloud_tokens
+            guessed += len(a.lookahead_positions)
             if threshold == 0.0:
                 assert a.n_cloud_tokens == a.n_tokens and a.round_trips < a.n_tokens, "spans of several tokens"
         assert routed >= (200 if threshold == 0.0 else 1)
+        assert (guessed >= 5) if lookahead else guessed == 0
     finally:
         gen.close()
         edge_only.close()
@@ -407,6 +473,63 @@ def test_mixed_pair_routes_with_the_clouds_text(edge_model, edge_info, gemma_ser
         gemma.close()
         gen.close()
         cloud_gen.close()
+
+
+def test_the_cloud_base_models_answer_ends_before_the_next_transcript_line(edge_model, gemma_server, gemma_info):
+    """Gemma-3 base, run alone, goes on with the transcript ("\\nUser: ..."). Through the cloud
+    server (text mode) its answer ends before that line: with policy `cloud` the answer is its own
+    text up to there and then the device's end-of-turn; routed, no answer holds the marker."""
+    stop = b"\nUser:"
+    cloud_gen = make_generator(edge_model, gemma_server, mode="cloud", timeout_s=10.0)
+    gen = make_generator(edge_model, gemma_server, threshold=0.2, timeout_s=10.0)
+    gemma = LlamaModel(gemma_info, vocab_only=True)
+    try:
+        ended = 0
+        for q in ("set a timer for ten minutes", "what is the capital of france", "how do i reset my wifi router"):
+            alone = b"".join(gemma.token_bytes(t) for t in reference_greedy(gemma_info, chat(q), 48))[1:]
+            c = cloud_gen.generate(chat(q), max_tokens=64)
+            if stop in alone:
+                ended += 1
+                assert c.text.encode() == alone[: alone.index(stop)], (c.text, alone)
+                assert edge_model.is_eog(c.tokens[-1]), "the answer ended"
+            r = gen.generate(chat(q), max_tokens=48)
+            assert r.n_cloud_tokens > 0 and "User:" not in r.text and "User:" not in c.text, (r.text, c.text)
+        assert ended >= 2, "Gemma base wrote the next transcript line on these questions"
+    finally:
+        gemma.close()
+        gen.close()
+        cloud_gen.close()
+
+
+def test_mixed_pair_lookahead_judges_the_devices_bytes_by_the_clouds_guess(edge_model, gemma_server, gemma_info):
+    """With lookahead a span brings Gemma's guess for the next position as text, and there the
+    guess decides instead of the router: at every such position the released device token's
+    bytes are ones Gemma (run alone, teacher-forced on the answer text so far) finds within
+    `lookahead_nats` of its best piece, string-level (`TextGuess.regret`); some are the
+    device's own (kept), some the guess's text (taken, routed cloud) across the runs."""
+    nats = 1.0
+    gen = make_generator(edge_model, gemma_server, threshold=0.3, timeout_s=10.0, lookahead=True, lookahead_nats=nats)
+    gemma = LlamaModel(gemma_info, vocab_only=True)
+    gv = AnswerText.for_model(gemma)
+    try:
+        kept = taken = 0
+        for q in ("explain how vaccines work", "what should i cook for dinner tonight", "tell me about the moon"):
+            a = gen.generate(chat(q), max_tokens=48)
+            assert a.shared_history == "text" and not a.degraded
+            for i in a.lookahead_positions:
+                before = b"".join(edge_model.token_bytes(t) for t in a.tokens[:i])
+                logits = teacher_forced_logits(gemma_info, chat(q), gv.tokens(before) + [0])[-1]
+                top = int(np.argmax(logits))
+                guess = TextGuess.of(Guess.of(logits, top), gv, gemma.is_eog)
+                token = a.tokens[i]
+                r = guess.for_tokens(edge_model.token_bytes, edge_model.is_eog).regret(token)
+                assert r <= nats + 0.25, (q, i, edge_model.token_bytes(token), guess.pieces[:3], r)
+                taken += a.routes[i] == "cloud"
+                kept += a.routes[i] == "edge"
+        assert taken + kept >= 3 and a.n_cloud_tokens > 0, (taken, kept)
+    finally:
+        gemma.close()
+        gen.close()
 
 
 def test_mixed_pair_falls_back_to_the_device_when_the_cloud_is_lost(edge_model, edge_info):
@@ -471,26 +594,31 @@ def test_cli_ask_with_the_mixed_pair():
     assert out.returncode == 0, out.stderr[-2000:]
     a = json.loads(out.stdout)
     assert a["shared_history"] == "text" and not a["degraded"] and a["n_cloud_tokens"] > 0
-    assert a["cloud_capabilities"] == ["generate", "verify"] and a["cloud_mode"] == "per-token+check"
+    assert a["cloud_capabilities"] == ["generate", "guess", "verify"] and a["cloud_mode"] == "per-token+guess+check"
     assert a["cloud_model_name"] == GEMMA
 
 
 def test_eval_reports_the_mixed_pairs_curve():
     """`tokenrouter-train eval` with the mixed pair runs the text-mode replay: a curve in cloud
     bytes and the cloud model's NLL per byte; edge-only writes no cloud bytes, cloud-only all
-    of them, and the cloud model finds its own text more likely than the device's."""
+    of them, and the cloud model finds its own text more likely than the device's. With
+    `--lookahead` a method also runs with the cloud's text guess, which decides some positions."""
     from models.train.text_eval import TextEvalOptions, evaluate_text
 
     r = evaluate_text(
-        ["what is the capital of france", "how do i reset my wifi router"],
-        TextEvalOptions("smollm2-135m-q3_k_s", GEMMA, fractions=(0.3,), max_tokens=16),
+        ["what is the capital of france", "how do i reset my wifi router", "tell me about the moon"],
+        TextEvalOptions("smollm2-135m-q3_k_s", GEMMA, fractions=(0.3,), max_tokens=24, lookahead=("entropy",)),
     )
     pts = r["points"]
-    assert r["mode"] == "text" and set(pts) == {"edge-only", "cloud-only", "entropy", "random"}
+    la = "entropy+lookahead@1"
+    assert r["mode"] == "text" and set(pts) == {"edge-only", "cloud-only", "entropy", "random", la}
     assert pts["edge-only"][0]["cloud_bytes"] == 0.0 and pts["cloud-only"][0]["cloud_bytes"] == 1.0
     assert pts["cloud-only"][0]["nll_per_byte"] < pts["edge-only"][0]["nll_per_byte"]
-    assert all(0 < p["cloud_bytes"] <= 1 for m in ("entropy", "random") for p in pts[m])
-    assert set(r["gap_recovered_at_30_bytes"]) == {"entropy", "random"}
+    assert all(0 < p["cloud_bytes"] <= 1 for m in ("entropy", "random", la) for p in pts[m])
+    assert pts["entropy"][0]["guesses_taken"] == 0 and pts[la][0]["guesses_taken"] > 0
+    assert set(r["gap_recovered_at_30_bytes"]) == {"entropy", "random", la}
+    with pytest.raises(ValueError, match="--lookahead learned"):
+        evaluate_text(["hi"], TextEvalOptions("smollm2-135m-q3_k_s", GEMMA, lookahead=("learned",)))
 
 
 # --------------------------------------------------------------------------- the cloud's check in text mode
@@ -612,7 +740,7 @@ def test_mixed_pair_checks_each_clause_with_the_clouds_tokens(edge_model, gemma_
         for q in ("explain how vaccines work", "how do you say hello in japanese"):
             a = default.generate(chat(q), max_tokens=64)
             assert a.shared_history == "text" and not a.degraded and a.cloud_mode == "per-token+check"
-            assert a.cloud_capabilities == ["generate", "verify"] and a.round_trips > 2
+            assert a.cloud_capabilities == ["generate", "guess", "verify"] and a.round_trips > 2
             overruled += len(a.overruled_positions)
             a = every.generate(chat(q), max_tokens=48)
             assert not a.degraded and a.cloud_mode == "check" and a.round_trips > 2

@@ -335,8 +335,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> None:
     """A mixed pair (different tokenizers): the text-mode curve (models/train/text_eval.py) with the
-    pair's learned router (trained on text labels), entropy and random; the token-level methods
-    (lookahead, check, --also) need one vocabulary and are not run."""
+    pair's learned router (trained on text labels), entropy and random, and `--lookahead` methods
+    with the cloud's text guess (the first `--lookahead-nats`); the check and --also are not run
+    in text mode's eval."""
     opts = TextEvalOptions(
         args.edge_model,
         args.cloud_model,
@@ -344,6 +345,8 @@ def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> 
         threads=args.threads,
         seed=args.seed,
         router=args.router,
+        lookahead=tuple(args.lookahead),
+        lookahead_nats=(args.lookahead_nats or [1.0])[0],
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     result = evaluate_text(prompts, opts)

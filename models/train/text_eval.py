@@ -21,7 +21,10 @@ Methods: learned (the router file trained for this pair by `tokenrouter-train la
 labels in the cloud's NLL of the text: text_label.py; skipped when no file is given) and entropy,
 both with thresholds at quantiles of their own scores along the edge-only answers of the same
 prompts (one calibration rule for both), and random (threshold 1 − f on uniform scores);
-edge-only and cloud-only (every position asked: the cloud's own text, up to ties). The gap
+edge-only and cloud-only (every position asked: the cloud's own text, up to ties). With
+`lookahead`, methods also run with the cloud's text guess after each span deciding the next
+position ("<method>+lookahead@<nats>", shared/text_history.py `TextGuess`), as the generator does
+by default. The gap
 recovered comes with a 95% bootstrap interval over prompts (as evaluate.py's `gap_interval`).
 """
 
@@ -35,18 +38,26 @@ from typing import Any, Callable
 import numpy as np
 
 from models.registry import model_info
-from shared.decision import cloud_choice
+from shared.decision import AnswerRule, RuleOptions, Step, cloud_choice
 from shared.learned_router import LearnedRouter, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter, RandomRouter, Router
-from shared.sampling import Sampler
-from shared.text_history import SPAN_TOKENS, AnswerText, common_prefix, complete_utf8, span_done
+from shared.sampling import Guess, Sampler
+from shared.text_history import (
+    SPAN_TOKENS,
+    UTF8_EXTRA,
+    AnswerText,
+    TextGuess,
+    common_prefix,
+    complete_utf8,
+    span_done,
+)
 
 TEXT_METHODS = ("learned", "entropy", "random")
-DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3)  # of positions asked: a span takes ~2-3x in bytes
+DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)  # of positions asked: a span takes more in bytes
 
 
 @dataclass(slots=True)
@@ -59,6 +70,8 @@ class TextEvalOptions:
     threads: int | None = 1
     seed: int = 0
     router: Path | None = None  # the learned router for this pair (None: entropy and random only)
+    lookahead: tuple[str, ...] = ()  # methods also run with the cloud's text guess, as "<method>+lookahead@<nats>"
+    lookahead_nats: float = 1.0
 
 
 class _Side:
@@ -130,6 +143,7 @@ class _Side:
 class _Answer:
     text: bytes = b""
     cloud_bytes: int = 0
+    guessed: int = 0  # positions where the cloud's lookahead guess was taken
     scores: list[float] = field(default_factory=list)
     also: list[float] = field(default_factory=list)  # a second router's scores (calibration)
 
@@ -146,17 +160,31 @@ def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) ->
             return written[: complete_utf8(written)], True
         cloud.history.append(token)
         written += cloud.model.token_bytes(token)
-        if span_done(written, n, SPAN_TOKENS, b"a"):
+        cut = cloud.view.stop_cut(text, written)
+        if cut is not None:  # a base model began the person's next line: the answer ends here
+            return written[:cut][: complete_utf8(written[:cut])], True
+        pending = cloud.view.stop_pending(text, written)
+        if pending and n >= SPAN_TOKENS + UTF8_EXTRA:
+            break
+        if not pending and span_done(written, n, SPAN_TOKENS, b"a"):
             break
         logits, _ = cloud.next()
         nxt = int(np.argmax(logits))
-        if complete_utf8(written) == len(written):
+        if not pending and complete_utf8(written) == len(written):
             if cloud.model.is_eog(nxt):
                 return written, True
             if span_done(written, n, SPAN_TOKENS, cloud.model.token_bytes(nxt)):
                 break
         token = nxt
     return written[: complete_utf8(written)], False
+
+
+def _cloud_guess(cloud: _Side, text: bytes) -> TextGuess:
+    """The cloud's guess for the position after answer `text` (its lookahead, as the server's
+    span sends it: shared/text_history.py `TextGuess`)."""
+    cloud.follow(text)
+    logits, _ = cloud.next()
+    return TextGuess.of(Guess.of(logits, int(np.argmax(logits))), cloud.view, cloud.model.is_eog)
 
 
 def _routed(
@@ -169,25 +197,48 @@ def _routed(
     max_tokens: int,
     always: bool = False,
     also: Router | None = None,
+    lookahead_nats: float | None = None,
 ) -> _Answer:
     """One answer by the text-mode rule (the module docstring). `router` None: the device alone
-    (`always`: the cloud at every position)."""
+    (`always`: the cloud at every position). `lookahead_nats`: after each span the cloud's text
+    guess decides the next position (shared/decision.py's rule, as the generator's TextPerToken)."""
     sampler = Sampler(SamplingParams())
     edge.start(eprompt)
     cloud.start(cprompt)
     if policy is not None:
         policy.start_answer()
+    rule = AnswerRule(RuleOptions(lookahead_nats is not None, lookahead_nats or 0.0, "off"), lambda _: False)
+    text_guess: TextGuess | None = None
     a = _Answer()
     n = 0
     while n < max_tokens:
         logits, hidden = edge.next()
         proposed = int(np.argmax(logits))
-        score = router.score(hidden, logits, proposed) if router is not None else 0.0
-        a.scores.append(score)
-        if also is not None:
-            a.also.append(also.score(hidden, logits, proposed))
-        hard = always or (policy is not None and policy.decide(score))
-        if hard and complete_utf8(a.text) == len(a.text):
+        guess = text_guess.for_tokens(edge.model.token_bytes, edge.model.is_eog) if text_guess is not None else None
+        if guess is not None:  # the guess decides (no router): keep the device's token or take the guess
+            assert text_guess is not None
+            best, text_guess = text_guess.best, None
+            if rule.step(None, guess, proposed) is Step.GUESS_TAKE:
+                a.guessed += 1
+                if not best:
+                    break  # the cloud's guess ends the answer
+                pieces = edge.model.tokenize(best.decode("utf-8"), parse_special=False)[: max_tokens - n]
+                added = b"".join(edge.model.token_bytes(t) for t in pieces)
+                added = added[: complete_utf8(added)]
+                a.cloud_bytes += len(added)
+                a.text += added
+                n += max(len(pieces), 1)
+                edge.follow(a.text)
+                rule.written(proposed)
+                continue
+            rule.written(proposed)
+        else:
+            score = router.score(hidden, logits, proposed) if router is not None else 0.0
+            a.scores.append(score)
+            if also is not None:
+                a.also.append(also.score(hidden, logits, proposed))
+            hard = always or (policy is not None and policy.decide(score))
+        if guess is None and hard and complete_utf8(a.text) == len(a.text):
             span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
             added = cloud.view.join(a.text, span)[len(a.text) :]
             pieces = edge.model.tokenize(added.decode("utf-8"), parse_special=False)
@@ -201,12 +252,17 @@ def _routed(
             edge.follow(a.text)
             if eog:
                 break
+            rule.written(proposed, cloud_answered=True)
+            if rule.guess_due and n < max_tokens:
+                text_guess = _cloud_guess(cloud, a.text)
             continue
         if edge.model.is_eog(proposed):
             break
         edge.history.append(proposed)
         a.text += edge.model.token_bytes(proposed)
         n += 1
+        if guess is None:
+            rule.written(proposed)
     a.text = a.text[: complete_utf8(a.text)]
     return a
 
@@ -224,6 +280,12 @@ def evaluate_text(
     if opts.router is not None:  # refuses a router trained for another device or cloud model
         learned = load_router(opts.router, edge_info, cloud=cloud_info)
     methods = [m for m in TEXT_METHODS if m != "learned" or learned is not None]
+    for m in opts.lookahead:
+        if m not in methods:
+            raise ValueError(f"--lookahead {m}: choose one of {', '.join(methods)}")
+    runs = [(m, m, None) for m in methods] + [
+        (f"{m}+lookahead@{opts.lookahead_nats:g}", m, opts.lookahead_nats) for m in opts.lookahead
+    ]
     em, cm = LlamaModel(edge_info), LlamaModel(cloud_info)
     edge = _Side(em, 2048, opts.threads, embeddings=True)
     cloud = _Side(cm, 2048, opts.threads, embeddings=False)
@@ -246,7 +308,7 @@ def evaluate_text(
             thresholds = {"entropy": float(np.quantile(scores, 1.0 - f)), "random": 1.0 - f}
             if learned is not None:
                 thresholds["learned"] = float(np.quantile(lscores, 1.0 - f))
-            for method in methods:
+            for name, method, nats in runs:
                 got = []
                 for k, (e, c) in enumerate(zip(eprompts, cprompts)):
                     router: Router
@@ -257,8 +319,8 @@ def evaluate_text(
                     else:
                         router = RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
                     policy = RoutingPolicy(PolicyConfig("router", threshold=thresholds[method]))
-                    got.append(_routed(edge, cloud, e, c, router, policy, opts.max_tokens))
-                answers[(method, f)] = got
+                    got.append(_routed(edge, cloud, e, c, router, policy, opts.max_tokens, lookahead_nats=nats))
+                answers[(name, f)] = got
             if on_progress is not None:
                 on_progress(1)
         points: dict[str, list[dict[str, float]]] = {}
@@ -276,6 +338,7 @@ def evaluate_text(
                     "cloud_bytes": round(cbytes / max(total, 1), 4),
                     "nll_per_byte": round(nll / max(total, 1), 5),
                     "bytes": int(total),
+                    "guesses_taken": int(sum(a.guessed for a in got)),
                 }
             )
     finally:
@@ -284,6 +347,7 @@ def evaluate_text(
         em.close()
         cm.close()
     e0, c1 = points["edge-only"][0]["nll_per_byte"], points["cloud-only"][0]["nll_per_byte"]
+    methods = [name for name, _, _ in runs]
     gap = {}
     for method in methods:
         curve = sorted([(0.0, e0)] + [(p["cloud_bytes"], p["nll_per_byte"]) for p in points[method]] + [(1.0, c1)])

@@ -25,6 +25,9 @@ state, LOGIT_FEATURES, proposed greedy token e) and, in the cloud's terms on tex
                  cloud's own text of the same length would. Where exactly one of the two ends the
                  answer, the end's NLL is -log P_cloud(end-of-generation | T) and the two NLLs are
                  compared unscaled (a token vs the end, as label.py compares a token with EOG).
+                 For a base model (no chat template) ending also means starting the person's
+                 next line: P(end | T) = P(EOG | T) + P("\\nUser:" | T) (shared/text_history.py,
+                 "The end of a transcript turn"), and its reference answer is cut there.
                  The same-vocab rule, log p(c) - log p(e) for one shared token, is the special
                  case |b_e| = |b_c| with both one cloud token.
     divergent    -1 (not labelled: the divergence rollouts are not run in text mode; `fit
@@ -101,13 +104,19 @@ class TextScorer:
         self.ctx.clear(0)
         out: list[int] = []
         ended = False
+        stop = self.view.stop
         for _, tok in self.ctx.greedy(prompt, max_tokens):
             if self.model.is_eog(tok):
                 ended = True
                 break
             out.append(tok)
+            if stop and stop in self.view.text_of(out[-len(stop) - 1 :]):
+                break  # (cut below)
         self.ctx.clear(0)
         text = self.view.text_of(out)
+        at = text.find(stop) if stop else -1
+        if at >= 0:  # a base model began the person's next line: the answer ends there (AnswerText.stop_cut)
+            text, ended = text[:at], True
         return text[: complete_utf8(text)], ended
 
     def score(
@@ -117,6 +126,10 @@ class TextScorer:
         NaN unless `ends`). `reference` should be the text most of them are prefixes of."""
         ref = self.tokens(reference)
         P = len(prompt)
+        stop = self.view.stop  # a base model ends by starting the next line: score that text too
+        with_stop = [t + stop for t, end in zip(texts, ends) if end] if stop else []
+        n_texts = len(texts)
+        texts, ends = list(texts) + with_stop, list(ends) + [False] * len(with_stop)
         toks = [self.tokens(t) for t in texts]
         # what to read: per row key (the answer tokens before it), the tokens whose log p is wanted
         want: dict[tuple[int, ...], set[int]] = {}
@@ -158,15 +171,18 @@ class TextScorer:
             lse, vals = got[key]
             return vals[tok] - lse
 
+        nlls = [-sum(logp(tuple(x[:i]), x[i]) for i in range(len(x))) for x in toks]
         result = []
-        for x, end in zip(toks, ends):
-            nll = -sum(logp(tuple(x[:i]), x[i]) for i in range(len(x)))
+        stops = iter(nlls[n_texts:])
+        for x, end, nll in zip(toks[:n_texts], ends, nlls):
             end_nll = float("nan")
             if end:
                 lse, vals = got[tuple(x)]
                 ids = np.array([vals[t] for t in self.eog])
                 m = float(ids.max())
                 end_nll = lse - (m + math.log(float(np.exp(ids - m).sum())))
+                if stop:  # P(end) = P(end-of-generation) + P(the stop text)
+                    end_nll = -float(np.logaddexp(-end_nll, -(next(stops) - nll)))
             result.append((float(nll), float(end_nll)))
         return result
 
