@@ -225,10 +225,7 @@ class CloudSession:
                 history[link.cloud_len :], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=lookahead
             )[0]
         except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
-            self.timeouts += 1
-            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
-                self.retire()
-                self.last_error = str(exc)
+            self._slow(link, exc)
             return None
         except (*LinkErrors, IndexError) as exc:
             self.lose(exc)
@@ -239,6 +236,14 @@ class CloudSession:
             except (*LinkErrors, IndexError) as exc2:
                 self.lose(exc2)
                 return None
+
+    def _slow(self, link: CloudLink, exc: CloudTimeout) -> None:
+        """A request missed its deadline (the link rolled it back and stays): count it, and give
+        the link up after `max_consecutive_timeouts` in a row (the next answer reconnects)."""
+        self.timeouts += 1
+        if link.consecutive_timeouts >= self.max_consecutive_timeouts:
+            self.retire()
+            self.last_error = str(exc)
 
     def guess(self, wait_s: float) -> Guess | None:
         """The cloud's lookahead guess for this position, or None (late, none, or the cloud lost)."""
@@ -269,10 +274,7 @@ class CloudSession:
             link.sync(history[link.cloud_len :])
             return link.verify(drafts, check, bonus=bonus, tolerance=tolerance, hidden=hidden)
         except CloudTimeout as exc:  # slow, not gone: the link rolled the verify back; the drafts stand
-            self.timeouts += 1
-            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
-                self.retire()
-                self.last_error = str(exc)
+            self._slow(link, exc)
             return None
         except LinkErrors as exc:
             self.lose(exc)
@@ -325,10 +327,7 @@ class CloudSession:
                 pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS, lookahead=lookahead
             )
         except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
-            self.timeouts += 1
-            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
-                self.retire()
-                self.last_error = str(exc)
+            self._slow(link, exc)
             return None
         except LinkErrors as exc:
             self.lose(exc)
@@ -378,10 +377,7 @@ class CloudSession:
                 self._covered = len(history)  # the cloud holds all of it (else the text that follows)
             return verdict
         except CloudTimeout as exc:  # slow, not gone: the link rolled the check back; the drafts stand
-            self.timeouts += 1
-            if link.consecutive_timeouts >= self.max_consecutive_timeouts:
-                self.retire()
-                self.last_error = str(exc)
+            self._slow(link, exc)
             return None
         except LinkErrors as exc:
             self.lose(exc)
