@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from cloud_server.engine_api import GenerateResult, NotSupported, TextEngine, Worker
-from shared.text_history import SPAN_TOKENS, UTF8_EXTRA, TextGuess, complete_utf8, plan_check, span_done
+from shared.text_history import SPAN_TOKENS, TextGuess, complete_utf8, plan_check, span_done
 
 
 @dataclass(slots=True)
@@ -128,9 +128,7 @@ class TextSession:
                     await self._emit(emit, written[:whole], tokens, logprob, compute, final=False, eog=False)
                     del written[:whole]
                     tokens, logprob, compute = [], 0.0, 0.0
-            elif pending:  # the start of the stop text: the next tokens decide (within the cap)
-                done = n >= max_tokens + UTF8_EXTRA
-            elif span_done(bytes(written), n, max_tokens, b"a"):  # the cap decides: no need to look ahead
+            elif span_done(bytes(written), n, max_tokens, b"a", pending=pending):  # the cap decides: no peek
                 done = True
             elif complete_utf8(written) != len(written):
                 done = False  # finish the character first
@@ -146,7 +144,9 @@ class TextSession:
                     compute += result.compute_s
                     eog = engine.is_eog(result.token)
                     break
-                done = span_done(bytes(written), n, max_tokens, self.view.token_bytes(nxt) if nxt >= 0 else None)
+                done = span_done(
+                    bytes(written), n, max_tokens, self.view.token_bytes(nxt) if nxt >= 0 else None, pending=pending
+                )
             if done:
                 break
             admit()

@@ -130,12 +130,20 @@ def starts_word(piece: bytes) -> bool:
     return bool(piece) and (piece[0] in _SPACE or piece[0] in _PUNCT)
 
 
-def span_done(written: bytes, n_tokens: int, max_tokens: int, next_piece: bytes | None, at_word: bool = True) -> bool:
+def span_done(
+    written: bytes,
+    n_tokens: int,
+    max_tokens: int,
+    next_piece: bytes | None,
+    at_word: bool = True,
+    pending: bool = False,
+) -> bool:
     """The cloud's span rule (module docstring): after writing `n_tokens` tokens whose text is
     `written`, stop here? `next_piece`: the text of the token it would write next (None: the
     answer ends there, or it is not known). `at_word` False (a stream: policy cloud): only the
-    cap and whole characters count."""
-    if complete_utf8(written) != len(written):
+    cap and whole characters count. `pending`: the answer ends with the start of the model's stop
+    text (`AnswerText.stop_pending`): go on, as inside a character, so the next tokens decide."""
+    if pending or complete_utf8(written) != len(written):
         return n_tokens >= max_tokens + UTF8_EXTRA
     if n_tokens >= max_tokens:
         return True
@@ -200,19 +208,26 @@ class AnswerText:
         `text`); None if it does not (module docstring, "The end of a transcript turn")."""
         if not self.stop:
             return None
-        answer = self.join(text, written)
-        at = answer.find(self.stop, max(0, len(text) - len(self.stop) + 1))
+        head, answer = self._tail(text, written)
+        at = answer.find(self.stop)
         if at < 0:
             return None
-        return max(0, len(written) - (len(answer) - max(at, len(text))))
+        return max(0, len(written) - (len(answer) - max(at, len(head))))
 
     def stop_pending(self, text: bytes, written: bytes) -> bool:
         """The answer (`written` after `text`) ends with the start of this side's stop text: the
         next tokens decide whether the answer ends there, so a span goes on."""
         if not self.stop:
             return False
-        answer = self.join(text, written)
+        _, answer = self._tail(text, written)
         return any(answer.endswith(self.stop[:k]) for k in range(1, len(self.stop)))
+
+    def _tail(self, text: bytes, written: bytes) -> tuple[bytes, bytes]:
+        """(the end of `text` a stop text begun there could still reach, that end joined with
+        `written`): the stop rule's window, not a copy of the whole answer per token. (`join` only
+        asks whether `text` is empty, so its last bytes stand in for it.)"""
+        head = text[len(text) - len(self.stop) + 1 :] if len(text) >= len(self.stop) else text
+        return head, self.join(head, written)
 
     def proposal(self, text: bytes, proposed: bytes) -> int:
         """The other side's next token (its text `proposed`, after answer `text`) as one token of

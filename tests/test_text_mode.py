@@ -190,6 +190,10 @@ def test_a_base_models_answer_ends_where_it_starts_the_next_line(views):
     assert gv.stop_cut(b"Paris.", b" The User: guide") is None, "only at a line's start"
     assert gv.stop_pending(b"Paris.", b"\n") and gv.stop_pending(b"Paris.\n", b"Us")
     assert not gv.stop_pending(b"Paris.", b"\nThe") and not gv.stop_pending(b"Paris", b".")
+    assert not span_done(b"\n", 1, SPAN_TOKENS, b"User", pending=True), "a pending marker: the span goes on"
+    assert span_done(b"\n", SPAN_TOKENS + UTF8_EXTRA, SPAN_TOKENS, b"User", pending=True), "within the cap"
+    long = b"x" * 40
+    assert gv.stop_cut(long, b".\nUser:") == 1 and gv.stop_pending(long, b".\nUse"), "the window at a long text's end"
 
 
 def test_a_text_guess_judges_the_devices_bytes(views):

@@ -46,15 +46,7 @@ from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter, RandomRouter, Router
 from shared.sampling import Guess, Sampler
-from shared.text_history import (
-    SPAN_TOKENS,
-    UTF8_EXTRA,
-    AnswerText,
-    TextGuess,
-    common_prefix,
-    complete_utf8,
-    span_done,
-)
+from shared.text_history import SPAN_TOKENS, AnswerText, TextGuess, common_prefix, complete_utf8, span_done
 
 TEXT_METHODS = ("learned", "entropy", "random")
 DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)  # of positions asked: a span takes more in bytes
@@ -164,19 +156,32 @@ def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) ->
         if cut is not None:  # a base model began the person's next line: the answer ends here
             return written[:cut][: complete_utf8(written[:cut])], True
         pending = cloud.view.stop_pending(text, written)
-        if pending and n >= SPAN_TOKENS + UTF8_EXTRA:
-            break
-        if not pending and span_done(written, n, SPAN_TOKENS, b"a"):
+        if span_done(written, n, SPAN_TOKENS, b"a", pending=pending):
             break
         logits, _ = cloud.next()
         nxt = int(np.argmax(logits))
-        if not pending and complete_utf8(written) == len(written):
+        if complete_utf8(written) == len(written):
             if cloud.model.is_eog(nxt):
                 return written, True
-            if span_done(written, n, SPAN_TOKENS, cloud.model.token_bytes(nxt)):
+            if span_done(written, n, SPAN_TOKENS, cloud.model.token_bytes(nxt), pending=pending):
                 break
         token = nxt
     return written[: complete_utf8(written)], False
+
+
+def _take_cloud_text(a: _Answer, edge: _Side, added: bytes, room: int) -> int:
+    """The cloud's text joins the answer, as `Turn.take_text` does on the device: cut to the
+    answer's room in device tokens (whole characters), counted as cloud bytes, the device's
+    history re-tokenized. Returns the device positions it took (at least one)."""
+    pieces = edge.model.tokenize(added.decode("utf-8"), parse_special=False)
+    if len(pieces) > room:  # the answer's room ends inside the text
+        pieces = pieces[:room]
+        added = b"".join(edge.model.token_bytes(t) for t in pieces)
+        added = added[: complete_utf8(added)]
+    a.cloud_bytes += len(added)
+    a.text += added
+    edge.follow(a.text)
+    return max(len(pieces), 1)
 
 
 def _cloud_guess(cloud: _Side, text: bytes) -> TextGuess:
@@ -214,55 +219,37 @@ def _routed(
     while n < max_tokens:
         logits, hidden = edge.next()
         proposed = int(np.argmax(logits))
-        guess = text_guess.for_tokens(edge.model.token_bytes, edge.model.is_eog) if text_guess is not None else None
-        if guess is not None:  # the guess decides (no router): keep the device's token or take the guess
-            assert text_guess is not None
-            best, text_guess = text_guess.best, None
-            if rule.step(None, guess, proposed) is Step.GUESS_TAKE:
-                a.guessed += 1
-                if not best:
-                    break  # the cloud's guess ends the answer
-                pieces = edge.model.tokenize(best.decode("utf-8"), parse_special=False)[: max_tokens - n]
-                added = b"".join(edge.model.token_bytes(t) for t in pieces)
-                added = added[: complete_utf8(added)]
-                a.cloud_bytes += len(added)
-                a.text += added
-                n += max(len(pieces), 1)
-                edge.follow(a.text)
-                rule.written(proposed)
-                continue
+        guess, text_guess = text_guess, None
+        if guess is not None:  # the cloud's guess decides this position, not the router
+            step = rule.step(None, guess.for_tokens(edge.model.token_bytes, edge.model.is_eog), proposed)
             rule.written(proposed)
+            if step is Step.GUESS_TAKE:
+                a.guessed += 1
+                if not guess.best:
+                    break  # the cloud's guess ends the answer
+                n += _take_cloud_text(a, edge, guess.best, max_tokens - n)
+                continue
         else:
             score = router.score(hidden, logits, proposed) if router is not None else 0.0
             a.scores.append(score)
             if also is not None:
                 a.also.append(also.score(hidden, logits, proposed))
             hard = always or (policy is not None and policy.decide(score))
-        if guess is None and hard and complete_utf8(a.text) == len(a.text):
-            span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
-            added = cloud.view.join(a.text, span)[len(a.text) :]
-            pieces = edge.model.tokenize(added.decode("utf-8"), parse_special=False)
-            if len(pieces) > max_tokens - n:  # the answer's room ends inside the span, as in Turn.take_text
-                pieces = pieces[: max_tokens - n]
-                added = b"".join(edge.model.token_bytes(t) for t in pieces)
-                added = added[: complete_utf8(added)]
-            a.cloud_bytes += len(added)
-            a.text += added
-            n += max(len(pieces), 1)
-            edge.follow(a.text)
-            if eog:
-                break
-            rule.written(proposed, cloud_answered=True)
-            if rule.guess_due and n < max_tokens:
-                text_guess = _cloud_guess(cloud, a.text)
-            continue
+            if hard and complete_utf8(a.text) == len(a.text):
+                span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
+                n += _take_cloud_text(a, edge, cloud.view.join(a.text, span)[len(a.text) :], max_tokens - n)
+                if eog:
+                    break
+                rule.written(proposed, cloud_answered=True)
+                if rule.guess_due and n < max_tokens:
+                    text_guess = _cloud_guess(cloud, a.text)
+                continue
+            rule.written(proposed)
         if edge.model.is_eog(proposed):
             break
         edge.history.append(proposed)
         a.text += edge.model.token_bytes(proposed)
         n += 1
-        if guess is None:
-            rule.written(proposed)
     a.text = a.text[: complete_utf8(a.text)]
     return a
 
