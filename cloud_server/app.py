@@ -40,6 +40,7 @@ from cloud_server.services import Services
 from cloud_server.session import Connection, ConnectionDone
 from models.registry import model_info
 from shared.protocol import (
+    MAX_REQUEST_ID,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     Error,
@@ -340,7 +341,7 @@ def _request_id(frame: str | bytes) -> int | None:
         text = frame if isinstance(frame, str) else frame[4 : 4 + int.from_bytes(frame[:4], "big")]
         rid = json.loads(text).get("request_id")
         return (
-            rid if isinstance(rid, int) and not isinstance(rid, bool) and rid >= 0 else None
-        )  # never echo an invalid id
+            rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_REQUEST_ID else None
+        )  # never echo an invalid id: the device would refuse the error carrying it
     except Exception:
         return None

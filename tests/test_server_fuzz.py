@@ -236,6 +236,16 @@ def run_fuzz(client: FuzzClient, examples: int) -> None:
     one()
 
 
+def test_a_refused_frame_with_an_out_of_range_request_id_gets_an_error_the_device_can_read(fuzz_server):
+    """Found by the fuzzer: a frame whose request_id is beyond 2**53 was answered with an error
+    echoing that id, which the device's own decode then refused. The id is echoed only in range."""
+    with connect(fuzz_server.url) as ws:
+        for rid, echoed in ((12622964055672717, None), (7, 7)):
+            ws.send(json.dumps({"type": "error", "request_id": rid}))
+            reply = decode(ws.recv(timeout=10))
+            assert isinstance(reply, Error) and reply.request_id == echoed, reply
+
+
 def test_malformed_frames_are_all_answered_and_the_server_keeps_serving(fuzz_server, cloud_info):
     proc = psutil.Process(fuzz_server.proc.pid)
     client = FuzzClient(fuzz_server, cloud_info)
