@@ -61,6 +61,7 @@ from edge_client.voice.asr import AsrOptions, Transcriber  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.endofturn import TurnOptions  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
+from edge_client.voice.tts import Synthesizer  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
 from edge_client.voice.wavfile import read_wav  # noqa: E402
 from shared.decision import CHECK_MODES  # noqa: E402
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-priority", action="store_true", help="let generation run while the first clause is synthesised"
     )
     ap.add_argument("--speculate-after-ms", type=int, default=None)
+    ap.add_argument("--tts-spin", action="store_true", help="let Piper's onnxruntime threads busy-wait (its default)")
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument("--stop-delay-ms", type=int, default=None)
     ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
@@ -162,6 +164,7 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
         vopts.speculate_after_ms = args.speculate_after_ms
     if args.first_max_words is not None:
         vopts.tts.first_max_words = args.first_max_words
+    vopts.tts.spin_wait = args.tts_spin
     if args.stop_delay_ms is not None:
         vopts.vad.stop_delay_ms = args.stop_delay_ms
     if args.asr_threads is not None:
@@ -201,6 +204,7 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "first_chunk_priority": vopts.first_chunk_priority,
             "speculate_after_ms": vopts.speculate_after_ms,
             "first_max_words": vopts.tts.first_max_words,
+            "tts_spin_wait": vopts.tts.spin_wait,
             "stop_delay_ms": vopts.vad.stop_delay_ms,
             "asr_threads": vopts.asr.cpu_threads,
         },
@@ -231,7 +235,6 @@ def offline_transcript(tx: Transcriber, audio: np.ndarray) -> str:
 
 def recognition(args: argparse.Namespace, data: dict) -> None:
     """Offline vs streaming-final WER (and decode time) on the same WAVs, no language model."""
-    from edge_client.voice.tts import Synthesizer
 
     synth = Synthesizer()
     models = {"tiny.en": Transcriber(AsrOptions()), "tiny.en, no lead silence": Transcriber(AsrOptions(lead_s=0.0))}
@@ -330,7 +333,6 @@ def turn_study(args: argparse.Namespace, data: dict) -> None:
     Compares the transcript cue with and without the word probability (docs/voice.md, Turn-taking)."""
     from edge_client.voice.asr import close_gaps
     from edge_client.voice.endofturn import EndOfTurn, SmartTurn
-    from edge_client.voice.tts import Synthesizer
 
     synth, tx, st = Synthesizer(), Transcriber(AsrOptions()), SmartTurn()
     judges = {
@@ -467,6 +469,10 @@ def main() -> None:
     first = configs[0][1]
     with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=first.max_tokens, seed=0)) as gen:
         eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
+        # a config that changes how Piper's session is built gets its own synthesiser
+        synths = {
+            name: eng.synth if v.tts.spin_wait == first.tts.spin_wait else Synthesizer(v.tts) for name, v, _ in configs
+        }
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
             if pauses:
@@ -484,6 +490,7 @@ def main() -> None:
             )  # alternate, so neither config always runs on a warmer cache
             for name, vopts, flags in order:
                 gen.reconfigure(lookahead=flags["lookahead"], check=flags["check"])
+                eng.synth = synths[name]
                 t = time.monotonic()
                 obj = run_file_turn(
                     gen,

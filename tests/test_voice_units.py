@@ -153,6 +153,21 @@ def _speech(text: str) -> np.ndarray:
     return resample(s.synthesize(text), s.rate, 16000)
 
 
+def test_piper_threads_sleep_between_operators_unless_asked_to_spin():
+    """On 2 cores a spinning onnxruntime thread waits on a preempted one (scripts/bench_tts_spin.py): the
+    default session lets them sleep; spin_wait restores onnxruntime's default. Both speak the same audio."""
+    from edge_client.voice.tts import Synthesizer, TtsOptions
+
+    quiet = TtsOptions(noise_scale=0.0, noise_w_scale=0.0)
+    sleeping, spinning = Synthesizer(quiet), Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, spin_wait=True))
+    key = "session.intra_op.allow_spinning"
+    assert sleeping.voice.session.get_session_options().get_session_config_entry(key) == "0"
+    with pytest.raises(Exception, match="does not have configuration"):  # onnxruntime's default: spinning
+        spinning.voice.session.get_session_options().get_session_config_entry(key)
+    a, b = sleeping.synthesize("Sure, ten minutes."), spinning.synthesize("Sure, ten minutes.")
+    assert sleeping.rate == 22050 and len(a) > 0.5 * sleeping.rate and np.allclose(a, b, atol=1e-4)
+
+
 def _run_endpointer(audio: np.ndarray, opts: VadOptions) -> list[tuple[Ev, float]]:
     vad, ep, out = SileroVad(), Endpointer(opts), []
     for i in range(len(audio) // FRAME):

@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -24,7 +25,7 @@ from edge_client.options import GeneratorOptions
 from edge_client.voice.audio_io import Frame
 from edge_client.voice.pipeline import VoiceOptions
 from edge_client.voice.wavfile import AudioFileError, read_audio, read_wav, write_wav
-from edge_client.webapp.bridge import BrowserMicrophone, BrowserPlayback, FrameClock, InputGate
+from edge_client.webapp.bridge import BrowserMicrophone, BrowserPlayback, FrameClock, InputGate, page_time
 from edge_client.webapp.cli import cmd_app
 from edge_client.webapp.core import AppCore, cloud_label
 from edge_client.webapp.server import AppServer
@@ -93,8 +94,10 @@ def test_playback_follows_the_pages_reports():
     buf.put(np.zeros(500, np.float32))
     assert buf.pending == 1500 and buf.played == 0 and buf.first_out_t is None
     assert sent[0] == {"type": "play_turn", "seq": 1} and isinstance(sent[1], bytes) and len(sent[1]) == 4 + 2000
-    buf.on_progress(1, 600, True, t=10.0)
-    assert (buf.played, buf.pending, buf.first_out_t) == (600, 900, 10.0)
+    time.sleep(0.02)
+    t = buf.first_sent_t + 0.01  # played 10 ms after it was sent, reported later
+    buf.on_progress(1, 600, True, t=t)
+    assert (buf.played, buf.pending, buf.first_out_t) == (600, 900, t)
     buf.on_progress(0, 1500, False)  # a late report about an earlier turn
     assert buf.played == 600
     buf.paused = True
@@ -105,6 +108,33 @@ def test_playback_follows_the_pages_reports():
     assert buf.pending == 0 and not isinstance(sent[-1], bytes)
     buf.start_turn()
     assert (buf.played, buf.pending, buf.first_out_t) == (0, 0, None) and sent[-1]["seq"] == 2
+
+
+def test_the_pages_play_stamp_counts_not_the_reports_trip_and_stays_within_sent_and_now():
+    """The page stamps its report on the machine's wall clock; the first audio is then when it played,
+    not when the report arrived, but never before the audio was sent nor in the future."""
+    now_wall, now_mono = time.time(), time.monotonic()
+    t = page_time(now_wall * 1000 - 40.0)  # reported 40 ms ago
+    assert t is not None and abs((now_mono - t) - 0.040) < 0.005
+    assert page_time(None) is None and page_time("12") is None and page_time(True) is None
+    assert page_time(float("nan")) is None and page_time(float("inf")) is None
+
+    buf = BrowserPlayback(lambda m: None)
+    buf.start_turn()
+    buf.put(np.zeros(100, np.float32))
+    sent = buf.first_sent_t
+    time.sleep(0.02)
+    buf.on_progress(1, 50, True, t=sent + 0.005)  # played 5 ms after it was sent
+    assert buf.first_out_t == sent + 0.005
+    buf.start_turn()
+    buf.put(np.zeros(100, np.float32))
+    buf.on_progress(1 + 1, 50, True, t=buf.first_sent_t - 10.0)  # a page clock behind ours: not before sent
+    assert buf.first_out_t == buf.first_sent_t
+    buf.start_turn()
+    buf.put(np.zeros(100, np.float32))
+    before = time.monotonic()
+    buf.on_progress(3, 50, True, t=before + 10.0)  # ahead of ours: not in the future
+    assert before <= buf.first_out_t <= time.monotonic()
 
 
 def test_frame_clock_keeps_real_spacing_of_bunched_frames():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -26,6 +27,11 @@ class TtsOptions:
     first_max_words: int = 4  # the first chunk is cut here when no clause has ended yet
     max_words: int = 40
     min_first_chars: int = 2  # do not speak a lone "A," as a chunk
+    # onnxruntime's threads busy-wait between operators by default. On 2 cores, with anything else running
+    # (Smart Turn, the desktop app's browser), a spinning thread waits on a preempted one: a first clause
+    # took 129-148 ms instead of 90-97 beside a process busy a full core, for +1 to +12 ms idle
+    # (scripts/bench_tts_spin.py, docs/voice.md). So they sleep between operators unless this is set.
+    spin_wait: bool = False
 
 
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s)|\n")
@@ -83,10 +89,22 @@ class Synthesizer:
     """Piper with the bundled en_US-joe-medium voice, loaded once and warmed up."""
 
     def __init__(self, opts: TtsOptions | None = None) -> None:
+        import json
+
+        import onnxruntime
         from piper import PiperVoice, SynthesisConfig
+        from piper.config import PiperConfig
 
         self.opts = opts or TtsOptions()
-        self.voice = PiperVoice.load(str(piper_voice_path()))
+        path = piper_voice_path()
+        so = onnxruntime.SessionOptions()
+        if not self.opts.spin_wait:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        config = json.loads(Path(f"{path}.json").read_text(encoding="utf-8"))
+        self.voice = PiperVoice(
+            session=onnxruntime.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"]),
+            config=PiperConfig.from_dict(config),
+        )
         self.rate = int(self.voice.config.sample_rate)
         self._cfg = SynthesisConfig(
             length_scale=self.opts.length_scale,

@@ -13,6 +13,7 @@ so it goes through exactly the path speech takes.
 
 from __future__ import annotations
 
+import math
 import queue
 import struct
 import threading
@@ -87,10 +88,14 @@ class BrowserPlayback:
             return self.played
 
     def on_progress(self, seq: int, played: int, first: bool, t: float | None = None) -> None:
-        """A report from the page: `played` samples of turn `seq` have gone to its audio output."""
-        t = time.monotonic() if t is None else t
+        """A report from the page: `played` samples of turn `seq` have gone to its audio output at
+        monotonic time `t` (`page_time`; now when unknown, never before the audio was sent nor after now)."""
+        now = time.monotonic()
+        t = now if t is None else min(t, now)
         with self._lock:
-            self.last_report_t = t
+            if self.first_sent_t is not None:
+                t = max(t, self.first_sent_t)
+            self.last_report_t = now
             if seq != self._seq or played < self.played:
                 return
             self.played = min(int(played), self._sent)
@@ -98,6 +103,18 @@ class BrowserPlayback:
                 self.first_out_t = t
             if not self._flushed:
                 self.pending = self._sent - self.played
+
+
+def page_time(at_ms: Any) -> float | None:
+    """Our monotonic time for the page's wall-clock stamp `at_ms` (performance.timeOrigin + now(), in ms).
+
+    The page reports when its player took the first sample; the report then takes a few ms to reach us
+    (socket, event loop), which is not the person's wait. Page and app share the machine's clock (the
+    app serves loopback only), so the stamp converts directly. None for a missing or non-number stamp.
+    """
+    if isinstance(at_ms, bool) or not isinstance(at_ms, (int, float)) or not math.isfinite(at_ms):
+        return None
+    return time.monotonic() - (time.time() - at_ms / 1000.0)
 
 
 class BrowserSink:

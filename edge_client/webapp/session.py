@@ -32,7 +32,7 @@ from edge_client.voice.events import (
 from edge_client.voice.pipeline import VoicePipeline
 from shared.decision import CHECK_MODES
 
-from .bridge import BrowserMicrophone, BrowserSink, InputGate
+from .bridge import BrowserMicrophone, BrowserSink, InputGate, page_time
 from .core import AppCore
 from .settings import BUNDLED_VOICE
 
@@ -182,7 +182,9 @@ class Session:
         kind = msg.get("type")
         if kind == "progress":
             if isinstance(self.sink, BrowserSink):
-                self.sink.buffer.on_progress(int(msg.get("seq", -1)), int(msg.get("played", 0)), bool(msg.get("first")))
+                self.sink.buffer.on_progress(
+                    int(msg.get("seq", -1)), int(msg.get("played", 0)), bool(msg.get("first")), page_time(msg.get("at"))
+                )
         elif kind == "ready":  # the page's audio is running (or, with --audio device, the page is up)
             self._mic_on = bool(msg.get("mic"))
             if msg.get("mic_error"):

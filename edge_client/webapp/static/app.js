@@ -200,7 +200,8 @@ function onPlayerReport(e) {
   trStats.rms = r.rms;
   trStats.played = r.total;
   if (r.first && r.seq === S.firstChunkSeq) trStats.firstPlayDelayMs = performance.now() - S.firstChunkAt;
-  send({ type: "progress", seq: r.seq, played: r.played, first: r.first });
+  // "at": when the player reported, on the machine's clock (the app converts it: the report's trip is not the wait)
+  send({ type: "progress", seq: r.seq, played: r.played, first: r.first, at: performance.timeOrigin + performance.now() });
 }
 
 function flushPlayer() {
