@@ -120,9 +120,10 @@ def capture_time(captured: list[tuple[bytes, float]], played: np.ndarray, at_s: 
 
 def page_minus_file(rows: dict[str, list[dict]], key: str) -> dict:
     """Page minus file for one measure: at p50, and paired per query (turns with a value in both arms)."""
-    diffs = [b[key] - a[key] for a, b in zip(rows["file"], rows["page"]) if a[key] is not None and b[key] is not None]
-    f = [r[key] for r in rows["file"] if r[key] is not None]
-    p = [r[key] for r in rows["page"] if r[key] is not None]
+    pairs = zip(rows["file"], rows["page"])
+    diffs = [b[key] - a[key] for a, b in pairs if a.get(key) is not None and b.get(key) is not None]
+    f = [r[key] for r in rows["file"] if r.get(key) is not None]  # (runs before a measure existed lack it)
+    p = [r[key] for r in rows["page"] if r.get(key) is not None]
     return {
         "p50_difference": round(pct(p, 50) - pct(f, 50), 1) if f and p else None,
         "paired_median": round(pct(diffs, 50), 1) if diffs else None,
@@ -130,6 +131,28 @@ def page_minus_file(rows: dict[str, list[dict]], key: str) -> dict:
         "page_slower_pct": round(100 * float(np.mean(np.array(diffs) > 0)), 1) if diffs else None,
         "n_paired": len(diffs),
     }
+
+
+def pool(paths: list[str]) -> None:
+    """Page minus file over the rows of several runs (each run's pairs stay pairs)."""
+    rows: dict[str, list[dict]] = {"file": [], "page": []}
+    for p in paths:
+        run = json.loads(Path(p).read_text())["rows"]
+        n = min(len(run["file"]), len(run["page"]))
+        rows["file"] += run["file"][:n]
+        rows["page"] += run["page"][:n]
+    out: dict = {"runs": paths, "queries": len(rows["file"])}
+    rng = np.random.default_rng(0)
+    for key in ("true_eos_to_first_audio_ms", "end_of_speech_to_first_audio_ms"):
+        pairs = [
+            (a, b) for a, b in zip(rows["file"], rows["page"]) if a.get(key) is not None and b.get(key) is not None
+        ]
+        diffs = np.array([b[key] - a[key] for a, b in pairs])
+        boot = [np.median(rng.choice(diffs, len(diffs))) for _ in range(2000)] if len(diffs) else [np.nan]
+        out[key] = page_minus_file(rows, key) | {
+            "paired_median_95pct": [round(float(x), 1) for x in np.percentile(boot, [2.5, 97.5])]
+        }
+    print(json.dumps(out, indent=1))
 
 
 def page_turn(
@@ -221,7 +244,16 @@ def main() -> None:
         help="the page's microphone: Chromium's fake capture device playing the query (a fresh browser per "
         "query), or a private PulseAudio fed with paplay (one browser; its null-sink buffering adds latency)",
     )
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="no run: page minus file pooled over the rows of earlier runs' --out files (a single run of 30 "
+        "scatters by tens of ms), with a bootstrap interval for the paired median",
+    )
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
     val = json.load(open(args.data))["val"]
     step = max(1, len(val) // args.n)
     queries = [val[i * step][0] for i in range(args.n)]
