@@ -18,8 +18,9 @@ Reported per arm: end of speech -> first audio from the true end of speech (the 
 sample the app received for it, found by aligning what the app received with what the fake microphone played),
 the goal's measure, and from the end of speech the pipeline's VAD found (each arm's own audio: Chromium's
 processing moves it), each p50/p95 and the paired per-query difference; endpoint -> first audio, the stage
-p50s (and their paired differences), the WER; for the page, the frames' lateness (receipt minus estimated capture time), sent -> played (the server sending the first
-reply audio to the page reporting it played) and the browser's output latency. Queries: CLINC150 val
+p50s (and their paired differences), the WER; for the page, the frames' lateness (receipt minus estimated
+capture time), sent -> played (the server sending the first reply audio to the page's player taking it, as
+the page stamps it) and the browser's output latency. `--pool` pools earlier runs' output files. Queries: CLINC150 val
 (Larson et al. 2019, CC BY 3.0), every len/n-th, synthesised with the bundled Piper voice.
 """
 
