@@ -120,14 +120,18 @@ def capture_time(captured: list[tuple[bytes, float]], played: np.ndarray, at_s: 
 
 
 def page_minus_file(rows: dict[str, list[dict]], key: str) -> dict:
-    """Page minus file for one measure: at p50, and paired per query (turns with a value in both arms)."""
+    """Page minus file for one measure: at p50, and paired per query (turns with a value in both arms),
+    with a bootstrap 95 % interval for the paired median."""
     pairs = zip(rows["file"], rows["page"])
     diffs = [b[key] - a[key] for a, b in pairs if a.get(key) is not None and b.get(key) is not None]
     f = [r[key] for r in rows["file"] if r.get(key) is not None]  # (runs before a measure existed lack it)
     p = [r[key] for r in rows["page"] if r.get(key) is not None]
+    rng = np.random.default_rng(0)
+    boot = [np.median(rng.choice(diffs, len(diffs))) for _ in range(2000)] if diffs else []
     return {
         "p50_difference": round(pct(p, 50) - pct(f, 50), 1) if f and p else None,
         "paired_median": round(pct(diffs, 50), 1) if diffs else None,
+        "paired_median_95pct": [round(float(x), 1) for x in np.percentile(boot, [2.5, 97.5])] if boot else None,
         "paired_mean": round(float(np.mean(diffs)), 1) if diffs else None,
         "page_slower_pct": round(100 * float(np.mean(np.array(diffs) > 0)), 1) if diffs else None,
         "n_paired": len(diffs),
@@ -137,22 +141,14 @@ def page_minus_file(rows: dict[str, list[dict]], key: str) -> dict:
 def pool(paths: list[str]) -> None:
     """Page minus file over the rows of several runs (each run's pairs stay pairs)."""
     rows: dict[str, list[dict]] = {"file": [], "page": []}
-    for p in paths:
-        run = json.loads(Path(p).read_text())["rows"]
+    for path in paths:
+        run = json.loads(Path(path).read_text())["rows"]
         n = min(len(run["file"]), len(run["page"]))
         rows["file"] += run["file"][:n]
         rows["page"] += run["page"][:n]
     out: dict = {"runs": paths, "queries": len(rows["file"])}
-    rng = np.random.default_rng(0)
     for key in ("true_eos_to_first_audio_ms", "end_of_speech_to_first_audio_ms"):
-        pairs = [
-            (a, b) for a, b in zip(rows["file"], rows["page"]) if a.get(key) is not None and b.get(key) is not None
-        ]
-        diffs = np.array([b[key] - a[key] for a, b in pairs])
-        boot = [np.median(rng.choice(diffs, len(diffs))) for _ in range(2000)] if len(diffs) else [np.nan]
-        out[key] = page_minus_file(rows, key) | {
-            "paired_median_95pct": [round(float(x), 1) for x in np.percentile(boot, [2.5, 97.5])]
-        }
+        out[key] = page_minus_file(rows, key)
     print(json.dumps(out, indent=1))
 
 

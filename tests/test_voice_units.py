@@ -3,6 +3,7 @@ endpointing with the real Silero VAD on synthesised speech, dialogue bounds, dev
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import wave
 from pathlib import Path
@@ -159,7 +160,7 @@ def test_piper_threads_sleep_between_operators_unless_asked_to_spin():
     from edge_client.voice.tts import Synthesizer, TtsOptions
 
     quiet = TtsOptions(noise_scale=0.0, noise_w_scale=0.0)
-    sleeping, spinning = Synthesizer(quiet), Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, spin_wait=True))
+    sleeping, spinning = Synthesizer(quiet), Synthesizer(dataclasses.replace(quiet, spin_wait=True))
     key = "session.intra_op.allow_spinning"
     assert sleeping.voice.session.get_session_options().get_session_config_entry(key) == "0"
     with pytest.raises(Exception, match="does not have configuration"):  # onnxruntime's default: spinning

@@ -107,7 +107,7 @@ def test_playback_follows_the_pages_reports():
     buf.on_progress(1, 700, False)
     assert buf.pending == 0 and not isinstance(sent[-1], bytes)
     buf.start_turn()
-    assert (buf.played, buf.pending, buf.first_out_t) == (0, 0, None) and sent[-1]["seq"] == 2
+    assert (buf.played, buf.pending, buf.first_out_t, buf.first_sent_t) == (0, 0, None, None) and sent[-1]["seq"] == 2
 
 
 def test_the_pages_play_stamp_counts_not_the_reports_trip_and_stays_within_sent_and_now():

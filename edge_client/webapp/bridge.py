@@ -64,7 +64,7 @@ class BrowserPlayback:
         with self._lock:
             self._seq += 1
             self._sent = self.played = self.pending = 0
-            self.first_out_t = None
+            self.first_out_t = self.first_sent_t = None
             self._flushed = False
             self._paused = False
             self._send({"type": "play_turn", "seq": self._seq})
