@@ -137,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a last word like 'that' or 'too' under this Whisper probability is mid-phrase (0: off)",
     )
+    ap.add_argument(
+        "--sure-end-prob",
+        type=float,
+        default=None,
+        help="a transcript ending on ? with its last word at least this sure ends the turn without Smart Turn "
+        "(1: always ask Smart Turn)",
+    )
+    ap.add_argument(
+        "--blas-threads", type=int, default=None, help="numpy's BLAS threads (0: the library's default, one per core)"
+    )
     ap.add_argument("--draft", action="store_true", help="draft the reply from partial transcripts")
     ap.add_argument("--partial-interval-ms", type=int, default=None)
     ap.add_argument(
@@ -179,7 +189,10 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     t.text_cue = not args.no_text_cue
     t.unsure_word_prob = t.unsure_word_prob if args.unsure_word_prob is None else args.unsure_word_prob
     t.judge_after_first_clause = args.judge_after_first_clause
+    t.sure_end_prob = t.sure_end_prob if args.sure_end_prob is None else args.sure_end_prob
     vopts.draft = args.draft
+    if args.blas_threads is not None:
+        vopts.blas_threads = args.blas_threads
     return vopts
 
 
@@ -207,6 +220,7 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "tts_spin_wait": vopts.tts.spin_wait,
             "stop_delay_ms": vopts.vad.stop_delay_ms,
             "asr_threads": vopts.asr.cpu_threads,
+            "blas_threads": vopts.blas_threads,
         },
         "eos_to_first_audio_ms": {
             "p50": pct(e2a, 50),
@@ -336,8 +350,9 @@ def turn_study(args: argparse.Namespace, data: dict) -> None:
 
     synth, tx, st = Synthesizer(), Transcriber(AsrOptions()), SmartTurn()
     judges = {
-        "before (function words)": TurnOptions(unsure_word_prob=0.0),
-        "now (+ unsure sound-alikes)": TurnOptions(),
+        "before (function words)": TurnOptions(unsure_word_prob=0.0, sure_end_prob=1.0),
+        "+ unsure sound-alikes": TurnOptions(sure_end_prob=1.0),
+        "now (+ a sure question skips Smart Turn)": TurnOptions(),
     }
     val = data["val"]
     step = max(1, len(val) // args.n)

@@ -169,6 +169,42 @@ def test_piper_threads_sleep_between_operators_unless_asked_to_spin():
     assert sleeping.rate == 22050 and len(a) > 0.5 * sleeping.rate and np.allclose(a, b, atol=1e-4)
 
 
+def test_numpy_blas_on_one_thread_leaves_no_core_spinning_after_a_mel_filterbank():
+    """OpenBLAS's worker busy-waits ~100 ms after a product big enough to split, such as Whisper's and Smart
+    Turn's mel filterbanks: a core lost on 2 (edge_client/voice/blas.py). Limited to one thread, the process
+    uses no CPU while it sleeps after one; 0 gives the library's default back. In a fresh interpreter, so
+    that no other test's threads count."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import json, time
+import numpy as np
+from edge_client.voice.blas import blas_threads, limit_blas_threads
+from edge_client.voice.endofturn import log_mel_8s
+audio = np.random.default_rng(0).standard_normal(3 * 16000).astype(np.float32)
+def idle_cpu_after_mel():
+    log_mel_8s(audio)
+    c = time.process_time()
+    time.sleep(0.3)
+    return time.process_time() - c
+default = blas_threads()
+limit_blas_threads(1)
+one, idle_one = blas_threads(), idle_cpu_after_mel()
+limit_blas_threads(0)
+print(json.dumps({"default": default, "one": one, "idle_one": idle_one, "back": blas_threads()}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["default"] >= 1 and r["one"] == 1 and r["back"] == r["default"]
+    assert r["idle_one"] < 0.03, r  # seconds of CPU in 0.3 s of sleep (one spinning worker: ~0.1)
+    from edge_client.voice.blas import limit_blas_threads
+
+    with pytest.raises(ValueError, match="BLAS threads must be >= 0"):
+        limit_blas_threads(-1)
+
+
 def _run_endpointer(audio: np.ndarray, opts: VadOptions) -> list[tuple[Ev, float]]:
     vad, ep, out = SileroVad(), Endpointer(opts), []
     for i in range(len(audio) // FRAME):
@@ -458,6 +494,40 @@ def test_end_of_turn_waits_long_unless_both_cues_say_finished():
     assert fallback.mode == "silence-fallback" and fallback.new_decision().note == "model missing"
     with pytest.raises(ValueError, match="min wait"):
         TurnOptions(min_wait_ms=900, max_wait_ms=300).validate()
+
+
+def test_a_transcript_that_closes_itself_with_whisper_sure_ends_the_turn_without_smart_turn():
+    """Smart Turn doubts the real end of hesitant speech ("...in, um, San Antonio?" p 0.02), which made paused
+    questions wait up to 1.2 s; a transcript ending on "?" with Whisper's last word >= sure_end_prob decides
+    alone (short wait, Smart Turn not asked). A full stop (a complete clause at a comma pause), an unsure,
+    unpunctuated or mid-phrase ending still needs the rest."""
+    from edge_client.voice.endofturn import EndOfTurn, TurnOptions
+
+    opts = TurnOptions(min_wait_ms=200, max_wait_ms=1200, threshold=0.5, sure_end_prob=0.95)
+    eot = EndOfTurn(opts, model=object())
+    q = "Are there some good Thai restaurants in San Antonio?"
+    d = eot.new_decision()
+    eot.judge_text(d, q, 0.991)
+    assert d.text_sure_end and eot.wait_ms(d, 250, text_known=True) == 200 and d.finished is True
+    assert d.probability is None and "not asked" in d.summary() and "closed itself" in d.summary()
+    comma_clause = "I'm not sure if watermelon is on my shopping list."  # "..., but if it isn't, ..."
+    cases = [(q, 0.9), (comma_clause, 0.999), ("Play", 0.999), ("Play,", 0.999), ("Set a timer for?", 0.999), (q, None)]
+    for text, p_word in cases:
+        d = eot.new_decision()
+        eot.judge_text(d, text, p_word)
+        assert not d.text_sure_end, (text, p_word)
+        if d.text_unfinished:  # mid-phrase: the long wait, whatever Whisper's confidence
+            assert eot.wait_ms(d, 250, text_known=True) == 1200, text
+            continue
+        assert eot.wait_ms(d, 250, text_known=True) is None  # Smart Turn still has to say
+        d.probability = 0.02
+        assert eot.wait_ms(d, 250, text_known=True) > 1100 and d.finished is False, (text, p_word)
+    always_ask = EndOfTurn(TurnOptions(sure_end_prob=1.0), model=object())
+    d = always_ask.new_decision()
+    always_ask.judge_text(d, q, 1.0)
+    assert not d.text_sure_end and always_ask.wait_ms(d, 250, text_known=True) is None
+    with pytest.raises(ValueError, match="sure_end_prob"):
+        TurnOptions(sure_end_prob=1.5).validate()
 
 
 def test_missing_end_of_turn_model_names_the_file_and_the_install(monkeypatch):

@@ -63,7 +63,9 @@ class ViewState:
             elif isinstance(ev, TurnJudged):
                 d = ev.decision
                 p = "" if d.probability is None else f"Smart Turn p={d.probability:.2f}"
-                why = ", ".join(x for x in (p, "transcript mid-phrase" if d.text_unfinished else "") if x)
+                cue = "transcript mid-phrase" if d.text_unfinished else ""
+                cue = "the transcript closed itself" if d.text_sure_end else cue
+                why = ", ".join(x for x in (p, cue) if x)
                 self.status = (
                     f"pause: sounds {'finished' if d.finished else 'unfinished'} ({why}); "
                     f"the turn ends after {d.wait_ms} ms of silence"

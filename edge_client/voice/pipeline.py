@@ -56,6 +56,7 @@ import numpy as np
 from ..answer import Answer, TokenEvent
 from .asr import AsrJob, AsrOptions, AsrResult, AsrWorker, LocalAgreement, Transcriber, close_gaps
 from .audio_io import FileSource, Frame, Playback
+from .blas import limit_blas_threads
 from .dialogue import Dialogue, DialogueOptions
 from .endofturn import EndOfTurn, TurnDecision, TurnOptions, load_end_of_turn, unfinished_text
 from .events import (
@@ -115,6 +116,9 @@ class VoiceOptions:
     # first audio came 40 ms later at the median (paired, docs/voice.md).
     draft: bool = False
     max_utterance_s: float = 28.0
+    # numpy's BLAS threads (0: the library's default, one per core). One, because OpenBLAS's worker spins
+    # ~100 ms after each mel filterbank product (Whisper's and Smart Turn's), a core lost on 2 (blas.py).
+    blas_threads: int = 1
 
 
 class Sink(Protocol):
@@ -400,6 +404,7 @@ class VoicePipeline:
         self.engines = engines
         self.source, self.sink = source, sink
         self.opts = opts or VoiceOptions()
+        limit_blas_threads(self.opts.blas_threads)
         self.on_event = on_event
         self.dialogue = dialogue or Dialogue(self.opts.dialogue, engines.gen.count_tokens)
         self.vad = SileroVad()
@@ -611,7 +616,8 @@ class VoicePipeline:
 
     def _maybe_judge(self) -> None:
         """Smart Turn on the audio up to `judge_after_ms` into the pause (not at a one-frame dip inside a word),
-        once the transcript is in and only if it is not mid-phrase: then the transcript alone decides. Run
+        once the transcript is in and only if it neither ends mid-phrase nor closes itself with Whisper sure of
+        its last word (`TurnOptions.sure_end_prob`): then the transcript alone decides. Run
         beside the final Whisper decode, it delayed that decode and the whole answer by ~80 ms on two cores.
         With `judge_after_first_clause` it also waits for the speculative answer's first clause to be
         synthesised (measured slower to the first audio, so off: docs/voice.md)."""
@@ -626,8 +632,8 @@ class VoicePipeline:
         if self.eot.opts.judge_after_first_clause and t is not None and not t.first_clause_done.is_set():
             return  # the speculative answer's first clause is being written and synthesised: that comes first
         u.judged = True
-        if u.decision is not None and u.decision.text_unfinished:
-            self._set_wait(u)
+        if u.decision is not None and (u.decision.text_unfinished or u.decision.text_sure_end):
+            self._set_wait(u)  # the transcript decides alone
             return
         assert self._eot_worker is not None
         self._eot_worker.submit((self._utt_id, u.pause_no, np.concatenate(u.audio[: u.judge_frames])))
