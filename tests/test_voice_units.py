@@ -301,7 +301,7 @@ def test_unpunctuated_sentence_loops_are_cut():
 
 def test_voice_flags_reach_the_pipeline_options():
     """`--no-prefill` (privacy: partial transcripts otherwise reach the cloud early) and
-    `--no-speculative` turn the techniques off; by default both are on."""
+    `--no-speculative` turn the techniques off; by default both are on. The end-of-turn thresholds too."""
     from edge_client.cli import build_parser
     from edge_client.voice.cli import voice_options_from_args
 
@@ -311,6 +311,13 @@ def test_voice_flags_reach_the_pipeline_options():
     )
     assert on.prefill_partials and on.speculative
     assert not off.prefill_partials and not off.speculative
+    assert (on.turn.sure_end_prob, on.turn.unsure_word_prob) == (0.95, 0.9)
+    tuned = voice_options_from_args(
+        build_parser().parse_args(
+            ["file", "q.wav", "--out", "r.wav", "--sure-end-prob", "1", "--unsure-word-prob", "0.5"]
+        )
+    )
+    assert (tuned.turn.sure_end_prob, tuned.turn.unsure_word_prob) == (1.0, 0.5)
     from edge_client.cli import options_from_args
 
     checked = options_from_args(

@@ -226,9 +226,7 @@ class TurnDecision:
     probability: float | None = None  # Smart Turn's probability of a finished turn at the pause
     model_ms: float | None = None  # Smart Turn's compute time
     text_unfinished: bool | None = None  # the transcript ended mid-phrase
-    text_sure_end: bool | None = (
-        None  # the transcript closed itself, Whisper sure of its last word: Smart Turn not asked
-    )
+    text_sure_end: bool | None = None  # a question Whisper closed, sure of its last word: Smart Turn not asked
     last_word_prob: float | None = None  # Whisper's probability of the transcript's last word
     wait_ms: int | None = None  # the silence that ended the turn
     pauses: int = 0  # pauses the person resumed from (each judged unfinished or too short)

@@ -41,6 +41,20 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--turn-threshold", type=float, default=0.5, help="Smart Turn probability that counts as finished")
     g.add_argument(
+        "--sure-end-prob",
+        type=float,
+        default=TurnOptions().sure_end_prob,
+        help="a transcript ending on '?' with Whisper at least this sure of its last word ends the turn after "
+        "--min-wait-ms without asking Smart Turn (1: always ask; default 0.95)",
+    )
+    g.add_argument(
+        "--unsure-word-prob",
+        type=float,
+        default=TurnOptions().unsure_word_prob,
+        help="a last word like 'that' or 'too' (a function word misheard at a hesitation) under this Whisper "
+        "probability counts as mid-phrase (0: never; default 0.9)",
+    )
+    g.add_argument(
         "--turn-model-missing",
         choices=("error", "silence"),
         default="error",
@@ -71,6 +85,8 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
             min_wait_ms=args.min_wait_ms,
             max_wait_ms=args.max_wait_ms,
             threshold=args.turn_threshold,
+            sure_end_prob=args.sure_end_prob,
+            unsure_word_prob=args.unsure_word_prob,
             on_missing=args.turn_model_missing,
         ),
         draft=args.draft,
