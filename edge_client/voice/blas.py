@@ -12,6 +12,7 @@ themselves are small (80 x 201 by 201 x T), so one thread costs nothing measurab
 
 from __future__ import annotations
 
+import numpy  # noqa: F401  (loads the BLAS this module limits, so that `_DEFAULT` below sees it)
 from threadpoolctl import threadpool_info, threadpool_limits
 
 
