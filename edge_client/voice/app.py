@@ -64,7 +64,7 @@ class ViewState:
                 d = ev.decision
                 p = "" if d.probability is None else f"Smart Turn p={d.probability:.2f}"
                 cue = "transcript mid-phrase" if d.text_unfinished else ""
-                cue = "the transcript closed itself" if d.text_sure_end else cue
+                cue = cue or ("the transcript closed itself" if d.text_sure_end else "")
                 why = ", ".join(x for x in (p, cue) if x)
                 self.status = (
                     f"pause: sounds {'finished' if d.finished else 'unfinished'} ({why}); "

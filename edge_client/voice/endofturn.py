@@ -242,6 +242,12 @@ class TurnDecision:
             d["last_word_prob"] = round(d["last_word_prob"], 3)
         return d
 
+    @property
+    def text_decides(self) -> bool:
+        """The transcript settles the wait alone, so Smart Turn is not asked: mid-phrase (the long wait) or a
+        question Whisper closed and is sure of (the short one)."""
+        return bool(self.text_unfinished or self.text_sure_end)
+
     def summary(self) -> str:
         if self.mode != "smart":
             return f"end of turn: {self.mode} ({self.wait_ms} ms)" + (f" - {self.note}" if self.note else "")
@@ -293,12 +299,9 @@ class EndOfTurn:
         """The silence that ends the turn, or None while an input is still missing."""
         if not self.smart:
             return stop_delay_ms
-        if self.opts.text_cue and text_known and d.text_unfinished:
-            d.finished = False  # mid-phrase: the transcript decides alone, Smart Turn is not asked
-            return self.opts.max_wait_ms
-        if self.opts.text_cue and text_known and d.text_sure_end:
-            d.finished = True  # the transcript closed itself: Smart Turn is not asked either
-            return self.opts.min_wait_ms
+        if self.opts.text_cue and text_known and d.text_decides:
+            d.finished = not d.text_unfinished  # the transcript decides alone, Smart Turn is not asked
+            return self.opts.max_wait_ms if d.text_unfinished else self.opts.min_wait_ms
         if d.probability is None or (self.opts.text_cue and not text_known):
             return None
         o = self.opts

@@ -632,8 +632,8 @@ class VoicePipeline:
         if self.eot.opts.judge_after_first_clause and t is not None and not t.first_clause_done.is_set():
             return  # the speculative answer's first clause is being written and synthesised: that comes first
         u.judged = True
-        if u.decision is not None and (u.decision.text_unfinished or u.decision.text_sure_end):
-            self._set_wait(u)  # the transcript decides alone
+        if u.decision is not None and u.decision.text_decides:
+            self._set_wait(u)
             return
         assert self._eot_worker is not None
         self._eot_worker.submit((self._utt_id, u.pause_no, np.concatenate(u.audio[: u.judge_frames])))
