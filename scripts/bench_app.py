@@ -3,7 +3,7 @@
     python scripts/bench_app.py [--n 30] [--out build/app_bench.json] [--mic fake|pulse]
 
 Arm "file": `run_file_turn` at real-time pace (as scripts/bench_voice.py runs it). Arm "page": the app's page
-in a real headless Chromium (the app's server and pipeline in this process, with `first_audio_only`): the
+in a real headless Chromium (the app's server and pipeline in this process, with `reply_limit_s=0`): the
 page captures the query (getUserMedia, echo cancellation, noise suppression and gain control on), streams it
 over the WebSocket to the same pipeline, plays the reply with WebAudio and reports when it played the first
 sample. Each turn stops once its first audio is out; arms alternate which goes first.
@@ -264,7 +264,7 @@ def main() -> None:
             GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0),
             VoiceOptions(),
             SettingsStore(tmp / "app.json"),
-            first_audio_only=True,
+            reply_limit_s=0.0,
         )
         srv = AppServer(core, port=0)
         srv.start()
@@ -288,7 +288,7 @@ def main() -> None:
                         VoiceOptions(),
                         realtime=True,
                         engines=core.engines,
-                        first_audio_only=True,
+                        reply_limit_s=0.0,
                     )
                     fa = obj.get("input_first_audio_s")
                     obj["true_eos_to_first_audio_ms"] = None if fa is None else round((fa - eos_offset) * 1000, 1)

@@ -12,7 +12,9 @@ the bundled Piper voice. Each query is one fresh single-turn dialogue with the
 local loopback cloud server and the router policy. Reports end-of-speech ->
 first audio and endpoint -> first audio (p50, p95, % under 150 ms), the stage
 breakdown (p50 of each stage after end of speech) and the recognition WER.
-Each turn stops once its first audio is out (the rest of the reply is not played).
+Each turn stops once its first audio is out (the rest of the reply is not played); with
+`--reply-s S` it plays the first S seconds of each reply and also reports the playback gaps (where
+synthesis fell behind playback, so the person heard silence inside the reply).
 
 `--recognition` needs no language model: for n fluent and n paused queries it compares the
 offline transcript of the whole WAV (faster-whisper's `transcribe`, 30 s context) with the one
@@ -59,7 +61,7 @@ from edge_client.generator import open_generator  # noqa: E402
 from edge_client.options import DEFAULT_CHECK, GeneratorOptions  # noqa: E402
 from edge_client.voice.asr import AsrOptions, Transcriber  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
-from edge_client.voice.endofturn import TurnOptions  # noqa: E402
+from edge_client.voice.endofturn import JUDGE_AT, TurnOptions  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
 from edge_client.voice.tts import Synthesizer  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
@@ -99,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculate-after-ms", type=int, default=None)
     ap.add_argument("--tts-spin", action="store_true", help="let Piper's onnxruntime threads busy-wait (its default)")
     ap.add_argument("--first-max-words", type=int, default=None)
+    ap.add_argument(
+        "--reply-s",
+        type=float,
+        default=0.0,
+        help="play this many seconds of each reply (0: stop at its first audio) and report the playback gaps",
+    )
     ap.add_argument("--stop-delay-ms", type=int, default=None)
     ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
     ap.add_argument(
@@ -127,9 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--turn-threshold", type=float, default=None)
     ap.add_argument("--no-text-cue", action="store_true")
     ap.add_argument(
-        "--judge-after-first-clause",
-        action="store_true",
-        help="Smart Turn only once the speculative answer's first clause is synthesised",
+        "--judge-at",
+        choices=JUDGE_AT,
+        default=None,
+        help="when Smart Turn runs in a pause: beside the final decode, once the transcript is in (default), "
+        "or once the speculative answer's first piece is synthesised",
     )
     ap.add_argument(
         "--unsure-word-prob",
@@ -188,7 +198,8 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     t.threshold = t.threshold if args.turn_threshold is None else args.turn_threshold
     t.text_cue = not args.no_text_cue
     t.unsure_word_prob = t.unsure_word_prob if args.unsure_word_prob is None else args.unsure_word_prob
-    t.judge_after_first_clause = args.judge_after_first_clause
+    if args.judge_at is not None:
+        t.judge_at = args.judge_at
     t.sure_end_prob = t.sure_end_prob if args.sure_end_prob is None else args.sure_end_prob
     vopts.draft = args.draft
     if args.blas_threads is not None:
@@ -233,6 +244,18 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "under_150_pct": 100 * np.mean(np.array(ep2a) < 150),
         },
         "stage_p50_ms_after_speech_end": stages,
+        "playback_gaps": {
+            "turns_with_gap_pct": 100 * float(np.mean([r["playback_gaps"] > 0 for r in rows])),
+            "gaps_per_turn": float(np.mean([r["playback_gaps"] for r in rows])),
+            "gap_ms_per_turn_p50": pct([r["playback_gap_ms"] for r in rows], 50),
+            "gap_ms_per_turn_p95": pct([r["playback_gap_ms"] for r in rows], 95),
+            "reply_s_played_mean": float(np.mean([r["reply_seconds"] for r in rows])),
+        },
+        "drafts": {  # drafts started per turn, and the tokens of those not used (all, and the cloud's)
+            "per_turn": float(np.mean([r["drafts"] for r in rows])),
+            "wasted_tokens_per_turn": float(np.mean([r["wasted_draft_tokens"] for r in rows])),
+            "wasted_cloud_tokens_per_turn": float(np.mean([r["wasted_draft_cloud_tokens"] for r in rows])),
+        },
         "wer_mean": float(np.mean([r["wer"] for r in rows])),
         "cloud_token_share": float(sum(r["n_cloud_tokens"] for r in rows) / max(1, sum(r["n_tokens"] for r in rows))),
     }
@@ -514,7 +537,7 @@ def main() -> None:
                     vopts,
                     realtime=True,
                     engines=eng,
-                    first_audio_only=True,
+                    reply_limit_s=args.reply_s,
                 )
                 first_audio = obj.get("input_first_audio_s")
                 obj.update(
@@ -542,6 +565,7 @@ def main() -> None:
                     f"{'CUT OFF ' if obj['cut_off'] else ('ENDED EARLY ' if obj['ended_early'] else '')}"
                     f"p={e.get('probability')} last word p={e.get('last_word_prob')} wait={e.get('wait_ms')} "
                     f"draft={obj['draft']}  wer {obj['wer']:.2f}  "
+                    f"{'gaps %d (%.0f ms)  ' % (obj['playback_gaps'], obj['playback_gap_ms']) if args.reply_s else ''}"
                     f"{text!r} -> {obj['transcript']!r}",
                     flush=True,
                 )

@@ -141,6 +141,33 @@ def test_generation_waits_while_the_first_clause_is_synthesised(engines, tmp_pat
     assert any(t > end for t in spy.token_t), "generation resumed after the first clause"
 
 
+def test_a_late_piece_of_the_reply_is_reported_as_a_playback_gap(engines, tmp_path, monkeypatch):
+    """The reply's playback, measured: a real turn at real-time pace with the real Piper, except that the
+    synthesis of every piece after the first is held back 1.2 s (the stand-in for a machine too slow to
+    keep up), so the speaker runs dry after the first words. The turn reports that gap (how many, how
+    long). `reply_limit_s` (the benchmarks' stop) ends the turn once 1.5 s of reply has played."""
+    real_chunks = engines.synth.chunks
+    samples: list[int] = []  # per piece
+
+    def late_chunks(text):
+        samples.append(0)
+        if len(samples) > 1:
+            time.sleep(1.2)
+        for audio in real_chunks(text):
+            samples[-1] += len(audio)
+            yield audio
+
+    q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    monkeypatch.setattr(engines.synth, "chunks", late_chunks)
+    obj = run_file_turn(
+        engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines, reply_limit_s=1.5
+    )
+    first_s = samples[0] / engines.synth.rate
+    assert len(samples) >= 2 and first_s < 1.0, (samples, first_s)  # the first piece ran out before the next came
+    assert obj["playback_gaps"] >= 1 and obj["playback_gap_ms"] > 1000 * (1.2 - first_s) - 100, obj
+    assert 1.5 <= obj["reply_seconds"] < 1.5 + 0.2, obj["reply_seconds"]  # stopped at the limit, not the end
+
+
 def test_silence_only_is_reported(engines, tmp_path):
     from edge_client.voice.wavfile import write_wav
 
@@ -277,7 +304,7 @@ def test_silence_only_cuts_the_same_question_off(engines, tmp_path):
     spoken_wav_with_pauses(engines.synth, PAUSED, {0: 600}, wav)
     opts = VoiceOptions(turn=TurnOptions(mode="silence"))
     obj = run_file_turn(
-        engines.gen, str(wav), str(tmp_path / "r.wav"), opts, realtime=True, engines=engines, first_audio_only=True
+        engines.gen, str(wav), str(tmp_path / "r.wav"), opts, realtime=True, engines=engines, reply_limit_s=0.0
     )
     assert "france" not in words(obj["transcript"]) and obj["end_of_turn"]["mode"] == "silence", obj["transcript"]
 
@@ -333,7 +360,7 @@ def test_a_missing_end_of_turn_model_is_a_clear_error_or_a_visible_fallback(engi
     monkeypatch.setattr(engines, "turn_note", note)
     opts = VoiceOptions(turn=TurnOptions(on_missing="silence"))
     pipe = VoicePipeline(engines, FileSource(q, realtime=False), FileSink(engines.synth.rate, realtime=False), opts)
-    done = pipe.run(max_turns=1, first_audio_only=True)[0]
+    done = pipe.run(max_turns=1, reply_limit_s=0.0)[0]
     assert done.end_of_turn.mode == "silence-fallback" and "no/such/model.onnx" in done.end_of_turn.note
     assert done.end_of_turn.wait_ms == VoiceOptions().vad.stop_delay_ms
     assert any(isinstance(e, Notice) and e.level == "warning" and "silence alone" in e.message for e in pipe.events)

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from edge_client.voice.asr import LocalAgreement
-from edge_client.voice.audio_io import DeviceError, FileSource, resolve_device
+from edge_client.voice.audio_io import DeviceError, FileSink, FileSource, resolve_device
 from edge_client.voice.dialogue import Dialogue, DialogueOptions
 from edge_client.voice.resample import StreamResampler, resample
+from edge_client.voice.timings import playback_gaps
 from edge_client.voice.tts import ClauseChunker, Synthesizer, TtsOptions, speakable
 from edge_client.voice.vad import FRAME, Endpointer, Ev, SileroVad, VadOptions
 from edge_client.voice.wavfile import AudioFileError, read_wav, write_wav
@@ -51,8 +52,15 @@ def test_first_chunk_cut_at_first_clause_then_by_sentence():
         emitted.append(c.feed(t))
     # "Sure," is released as soon as the next token shows the comma ends a clause
     assert emitted[2] == ["Sure,"]
-    # later chunks are whole sentences, not clauses
-    assert c.flush() == [" It has museums."] or emitted[11] == [" the capital is Paris, a big city."]
+    # the first sentence goes out clause by clause; later chunks are whole sentences, not clauses
+    assert [c.strip() for c in feed_all(ClauseChunker(), toks)] == [
+        "Sure,",
+        "the capital is Paris,",
+        "a big city.",
+        "It has museums.",
+    ]
+    later = feed_all(ClauseChunker(), ["Yes.", " It", " is,", " I", " think,", " fine.", " "])
+    assert [c.strip() for c in later] == ["Yes.", "It is, I think, fine."], later
     assert "".join(feed_all(ClauseChunker(), toks)) == "".join(toks)
 
 
@@ -61,6 +69,60 @@ def test_run_on_text_is_cut_by_word_limit():
     chunks = feed_all(ClauseChunker(), toks)
     assert len(chunks) >= 2 and len(chunks[0].split()) == TtsOptions().first_max_words
     assert all(len(c.split()) <= TtsOptions().max_words for c in chunks[1:])
+
+
+def test_a_first_piece_cut_at_the_word_limit_is_followed_by_the_rest_of_its_clause():
+    """Two words (the default) go to Piper first; the rest of the first sentence follows clause by clause
+    (each ready while the one before plays, rather than waiting for the whole sentence, which the cloud
+    checks); then whole sentences."""
+    text = "I'm sorry for any confusion, but as a voice assistant, I can help. It is fine, really. Bye."
+    toks = [" " + w for w in text.split()]
+    toks[0] = toks[0].strip()
+    assert TtsOptions().first_max_words == 2
+    chunks = feed_all(ClauseChunker(), toks + [" "])
+    assert [c.strip() for c in chunks] == [
+        "I'm sorry",
+        "for any confusion,",
+        "but as a voice assistant,",  # still the first sentence: clause by clause
+        "I can help.",
+        "It is fine, really.",  # after it, whole sentences
+        "Bye.",
+    ], chunks
+    # --first-words 4: a longer first piece, then the same
+    chunks = feed_all(ClauseChunker(TtsOptions(first_max_words=4)), toks + [" "])
+    assert [c.strip() for c in chunks][:2] == ["I'm sorry for any", "confusion,"], chunks
+
+
+def test_playback_gaps_are_the_silences_a_late_piece_leaves():
+    """Pure arithmetic: a piece is due when what was queued before it has played (pauses held playback)."""
+    rate = 1000
+    # 0.5 s queued at the start, the next piece 0.2 s late, the third on time
+    puts = [(0.0, 500), (0.7, 300), (0.9, 200)]
+    gaps, ms = playback_gaps(puts, first_out_t=0.0, rate=rate)
+    assert gaps == 1 and ms == pytest.approx(200.0)
+    assert playback_gaps([(0.0, 500), (0.51, 300)], 0.0, rate) == (0, 0.0)  # within a device block: not a gap
+    # a possible barge-in held playback 0.1-0.4 s: the second piece was due at 0.8 s, not late
+    assert playback_gaps(puts, 0.0, rate, pauses=[(0.1, 0.3)]) == (0, 0.0)
+    # interrupted at 0.6 s: what was queued later is not a gap
+    assert playback_gaps(puts, 0.0, rate, until=0.6) == (0, 0.0)
+
+
+def test_playback_gaps_match_the_silence_a_real_time_sink_played():
+    """The measure against FileSink's own pacer at real-time pace: a 0.2 s piece, the next queued 0.35 s
+    later, left ~0.15 s in which the pacer found nothing to play."""
+    import time
+
+    sink = FileSink(16000, realtime=True)
+    sink.start()
+    piece = np.full(3200, 0.1, np.float32)  # 0.2 s
+    puts = [(time.monotonic(), sink.put(piece))]
+    time.sleep(0.35)
+    puts.append((time.monotonic(), sink.put(piece)))
+    time.sleep(0.3)
+    sink.close()
+    assert sink.buffer.first_out_t is not None and len(sink.audio()) == 6400  # all of it played
+    gaps, ms = playback_gaps(puts, sink.buffer.first_out_t, sink.rate)
+    assert gaps == 1 and 100 < ms < 400, ms
 
 
 def test_speakable_strips_markdown():
@@ -318,6 +380,11 @@ def test_voice_flags_reach_the_pipeline_options():
         )
     )
     assert (tuned.turn.sure_end_prob, tuned.turn.unsure_word_prob) == (1.0, 0.5)
+    assert on.tts.first_max_words == 2
+    longer = build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--first-words", "4"])
+    assert voice_options_from_args(longer).tts.first_max_words == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["file", "q.wav", "--out", "r.wav", "--first-words", "0"])
     from edge_client.cli import options_from_args
 
     checked = options_from_args(
@@ -535,6 +602,8 @@ def test_a_transcript_that_closes_itself_with_whisper_sure_ends_the_turn_without
     assert not d.text_sure_end and always_ask.wait_ms(d, 250, text_known=True) is None
     with pytest.raises(ValueError, match="sure_end_prob"):
         TurnOptions(sure_end_prob=1.5).validate()
+    with pytest.raises(ValueError, match="judge_at must be one of"):
+        TurnOptions(judge_at="later").validate()
 
 
 def test_missing_end_of_turn_model_names_the_file_and_the_install(monkeypatch):

@@ -38,6 +38,7 @@ from .events import (
 )
 from .options_cli import voice_options_from_args
 from .pipeline import Engines, VoicePipeline
+from .timings import playback_gap_line
 
 
 @dataclass
@@ -141,6 +142,8 @@ def latency_table(done: TurnDone) -> Table:
         )
     if done.end_of_turn is not None:
         caption.append(done.end_of_turn.summary() + f"; drafted reply: {done.draft}")
+    if done.timings.playback_gaps:
+        caption.append(playback_gap_line(done.timings.playback_gaps, done.timings.playback_gap_ms))
     t.caption = "\n".join(caption) or None
     return t
 

@@ -24,6 +24,7 @@ from .audio_io import DeviceError, FileSink, FileSource, list_devices
 from .endofturn import TurnDecision, TurnOptions, smart_turn_path
 from .options_cli import add_voice_options, voice_options_from_args
 from .pipeline import Engines, NoSpeechError, VoicePipeline
+from .timings import playback_gap_line
 from .wavfile import AudioFileError
 
 
@@ -94,14 +95,14 @@ def run_file_turn(
     vopts: Any,
     realtime: bool = True,
     engines: Any = None,
-    first_audio_only: bool = False,
+    reply_limit_s: float | None = None,
 ) -> dict:
     """One turn from IN.wav to OUT.wav; returns the `--json` object. Raises AudioFileError, NoSpeechError."""
     source = FileSource(in_path, realtime=realtime)  # validates the WAV before any model loads
     engines = engines or Engines(gen, vopts.asr, vopts.tts, vopts.dialogue.system_prompt, vopts.turn)
     sink = FileSink(engines.synth.rate, realtime=realtime)
     pipe = VoicePipeline(engines, source, sink, vopts)
-    turns = pipe.run(max_turns=1, first_audio_only=first_audio_only)
+    turns = pipe.run(max_turns=1, reply_limit_s=reply_limit_s)
     sink.write(out_path)
     obj = turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
     obj["prefilled_tokens"] = pipe.prefilled_tokens
@@ -111,6 +112,8 @@ def run_file_turn(
         obj["input_first_audio_s"] = None if t.first_audio_out is None else round(t.first_audio_out - source.t0, 4)
         obj["input_endpoint_s"] = None if t.endpoint_decided is None else round(t.endpoint_decided - source.t0, 4)
     obj["drafts"] = pipe.n_drafts
+    obj["wasted_draft_tokens"] = pipe.wasted_draft_tokens
+    obj["wasted_draft_cloud_tokens"] = pipe.wasted_draft_cloud_tokens
     return obj
 
 
@@ -138,6 +141,7 @@ def latency_table(obj: dict) -> str:
     rows = [f"  {k:20s} {'-' if v is None else f'{v:8.1f} ms'}" for k, v in obj["timings_ms"].items()]
     rows.append(f"  {'EoS -> first audio':20s} {obj['end_of_speech_to_first_audio_ms']} ms")
     rows.append(f"  {'endpoint -> audio':20s} {obj['endpoint_to_first_audio_ms']} ms")
+    rows.append("  " + playback_gap_line(obj["playback_gaps"], obj["playback_gap_ms"]))
     return "latency (relative to the end of speech):\n" + "\n".join(rows)
 
 

@@ -37,6 +37,7 @@ RATE = 16000
 SMART_TURN_PACKAGE = "pipecat-ai==1.14.0"
 SMART_TURN_FILE = "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"
 MODES = ("smart", "silence")
+JUDGE_AT = ("pause", "transcript", "first-clause")  # when Smart Turn runs in a pause: TurnOptions.judge_at
 
 
 def smart_turn_path() -> Path:
@@ -188,10 +189,12 @@ class TurnOptions:
     max_wait_ms: int = 1200  # silence that ends a turn that sounds unfinished
     threshold: float = 0.5  # Smart Turn probability at or above which the audio sounds finished
     judge_after_ms: int = 64  # silence before Smart Turn runs: one silent frame is often a dip inside a word
-    # Smart Turn only once the speculative answer's first clause is synthesised (held), not beside it: the
-    # audio is then ready the moment the turn is judged over (endpoint -> first audio p50 7 against 518 ms),
-    # but the first audio came later (paired median +97 ms fluent, +81 ms paused), so off (docs/voice.md)
-    judge_after_first_clause: bool = False
+    # When Smart Turn runs in a pause (once it is judge_after_ms old): "transcript" (the default), once the final
+    # decode is in and only if the transcript does not decide alone; "pause", at once, beside the final decode;
+    # "first-clause", once the speculative answer's first piece is synthesised (held), so the audio is ready
+    # the moment the turn is judged over, but the first audio came later (paired median +97 ms fluent, +81 ms
+    # paused). Measured in docs/voice.md.
+    judge_at: str = "transcript"
     text_cue: bool = True  # a transcript ending mid-phrase also means unfinished
     # A last word that sounds like a function word ("that", "too", "you") and that Whisper gave a probability
     # under this counts as mid-phrase (0: never)
@@ -213,6 +216,8 @@ class TurnOptions:
             raise ValueError(f"sure_end_prob must be within [0, 1], not {self.sure_end_prob}")
         if not 0 < self.min_wait_ms <= self.max_wait_ms:
             raise ValueError(f"need 0 < min wait ({self.min_wait_ms} ms) <= max wait ({self.max_wait_ms} ms)")
+        if self.judge_at not in JUDGE_AT:
+            raise ValueError(f"judge_at must be one of {JUDGE_AT}, not {self.judge_at!r}")
         if self.on_missing not in ("error", "silence"):
             raise ValueError(f"on_missing must be 'error' or 'silence', not {self.on_missing!r}")
 

@@ -10,6 +10,7 @@ import argparse
 from .dialogue import DialogueOptions
 from .endofturn import TurnOptions
 from .pipeline import VoiceOptions
+from .tts import TtsOptions
 from .vad import VadOptions
 
 
@@ -65,8 +66,22 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="draft the reply from partial transcripts while you speak (see docs/voice.md)",
     )
+    g.add_argument(
+        "--first-words",
+        type=_words,
+        default=TtsOptions().first_max_words,
+        help="words in the first spoken piece when no clause has ended yet: speech starts sooner with fewer, "
+        "flows more smoothly with more (default %(default)s; 4: 40-65 ms later first audio, docs/voice.md)",
+    )
     g.add_argument("--max-history-tokens", type=int, default=768)
     g.add_argument("--voice-max-tokens", type=int, default=96, help="token cap of a spoken answer")
+
+
+def _words(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 word, not {n}")
+    return n
 
 
 def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
@@ -90,4 +105,5 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
             on_missing=args.turn_model_missing,
         ),
         draft=args.draft,
+        tts=TtsOptions(first_max_words=args.first_words),
     )

@@ -72,7 +72,7 @@ from .events import (
     TurnDone,
     TurnJudged,
 )
-from .timings import TurnTimings
+from .timings import TurnTimings, playback_gaps
 from .tts import ClauseChunker, Synthesizer, TtsOptions
 from .vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad, VadOptions
 from .worker import LatestJobWorker
@@ -111,9 +111,9 @@ class VoiceOptions:
     )
     first_chunk_priority: bool = True  # pause generation while the first clause is synthesised
     turn: TurnOptions = field(default_factory=TurnOptions)  # end of turn: Smart Turn + transcript, adaptive wait
-    # Draft the reply's first clause from partial transcripts while the person speaks. Off by default:
-    # on two cores it hit 17 % of fluent turns and its compute slowed the final decode by ~100 ms, so
-    # first audio came 40 ms later at the median (paired, docs/voice.md).
+    # Draft the reply's first piece from partial transcripts while the person speaks. Off by default: it hits
+    # 37 % of fluent turns, a tie on first audio (paired median -5 and 0 ms in two runs), and each turn's misses
+    # wasted 17 tokens, 4.9 of them the cloud's (docs/voice.md).
     draft: bool = False
     max_utterance_s: float = 28.0
     # numpy's BLAS threads (0: the library's default, one per core). One, because OpenBLAS's worker spins
@@ -216,12 +216,14 @@ class Turn:
         self.error: BaseException | None = None
         self.segments: list[list[Any]] = []  # [text, samples queued in sink rate]
         self.synth_done = threading.Event()
-        # Set once the first clause is synthesised (or nothing will be): see TurnOptions.judge_after_first_clause
+        # Set once the first clause is synthesised (or nothing will be): see TurnOptions.judge_at
         self.first_clause_done = threading.Event()
         self.released = not held
         self.end_of_turn: TurnDecision | None = None
         self.draft_outcome = "off"
         self._held_audio: list[np.ndarray] = []
+        self._puts: list[tuple[float, int]] = []  # (when queued to the sink, samples): see measure_gaps
+        self.playback_pauses: list[tuple[float, float]] = []  # (start, seconds) a possible barge-in held it
         self._held_tokens: list[TokenEvent] = []
         self._lock = threading.Lock()
         self._tokq: queue.SimpleQueue = queue.SimpleQueue()
@@ -257,6 +259,8 @@ class Turn:
             )
         except BaseException as e:  # reported by the tts thread; the app keeps running
             self.error = e
+        if self.draft and not self._adopted.is_set() and self.answer is not None:
+            self.p.count_wasted_draft(self.answer)
         self._tokq.put(None)
 
     # synthesis thread
@@ -312,14 +316,17 @@ class Turn:
             if not self.released:
                 self._held_audio.append(audio)
                 return int(round(len(audio) * self.p.sink.rate / self.p.sink.source_rate))
-        return self.p.sink.put(audio)
+        n = self.p.sink.put(audio)
+        self._puts.append((time.monotonic(), n))
+        return n
 
     def release(self) -> None:
         """The endpoint confirmed the turn: play what is held, stream the rest."""
         with self._lock:
             self.p.sink.buffer.start_turn()
+            t = time.monotonic()
             for a in self._held_audio:
-                self.p.sink.put(a)
+                self._puts.append((t, self.p.sink.put(a)))
             tokens, self._held_tokens, self._held_audio = self._held_tokens, [], []
             self.released = True
         for ev in tokens:
@@ -337,6 +344,15 @@ class Turn:
             self.user_text = user_text
         self._adopted.set()
         self._gen_may_run.set()
+
+    def measure_gaps(self, until: float | None = None) -> None:
+        """The turn is over (played, cut at the benchmarks' limit, or interrupted at `until`): record where
+        the output ran dry inside the reply because synthesis fell behind (TurnTimings.playback_gaps)."""
+        t0 = self.p.sink.buffer.first_out_t
+        if t0 is not None:
+            self.timings.playback_gaps, self.timings.playback_gap_ms = playback_gaps(
+                self._puts, t0, self.p.sink.rate, self.playback_pauses, until
+            )
 
     def cancel(self) -> None:
         self.stop.set()
@@ -417,13 +433,17 @@ class VoicePipeline:
         self._utt_id = 0
         self._last_decision: tuple[TurnDecision | None, str] = (None, "off")
         self.n_drafts = 0  # drafts started from partial transcripts (each a held first clause)
+        # what the drafts that were not used cost: tokens generated for nothing, and those of them the cloud wrote
+        self.wasted_draft_tokens = 0
+        self.wasted_draft_cloud_tokens = 0
+        self._count_lock = threading.Lock()
         self._playing: Turn | None = None
         self._preroll: deque[np.ndarray] = deque(maxlen=max(1, int(self.opts.vad.preroll_ms / 1000 / FRAME_S)))
         self._pending = np.zeros(0, np.float32)
         self._pause_t: float | None = None
         self._onset_t: float | None = None
         self._silence_ms = 0.0
-        self._first_audio_only = False
+        self._reply_limit_s: float | None = None
         self._asr = AsrWorker(engines.transcriber, self._on_asr, self._asr_wanted)
         self._prefiller = Prefiller(engines.gen, self._prefill_wanted) if self.opts.prefill_partials else None
         self.eot = engines.end_of_turn(self.opts.turn)
@@ -448,12 +468,16 @@ class VoicePipeline:
                 pass
 
     def run(
-        self, stop: threading.Event | None = None, max_turns: int | None = None, first_audio_only: bool = False
+        self,
+        stop: threading.Event | None = None,
+        max_turns: int | None = None,
+        reply_limit_s: float | None = None,
     ) -> list[TurnDone]:
-        """Process frames until `stop`, or `max_turns` turns are done. `first_audio_only` (benchmarks)
-        ends each turn once its first sample is out, so the reply is not played to the end."""
+        """Process frames until `stop`, or `max_turns` turns are done. `reply_limit_s` (benchmarks) ends
+        each turn once that many seconds of its reply have played (0: once its first sample is out), so
+        the reply is not played to the end."""
         stop = stop or threading.Event()
-        self._first_audio_only = first_audio_only
+        self._reply_limit_s = reply_limit_s
         self.sink.start()
         self.source.start()
         if self.eot.fallback_note:
@@ -557,6 +581,8 @@ class VoicePipeline:
             self._utt = None
             if self._pause_t is not None:
                 self.sink.buffer.paused = False
+                if self._playing is not None:
+                    self._playing.playback_pauses.append((self._pause_t, time.monotonic() - self._pause_t))
                 self._pause_t = None
                 self.emit(ReplyHeld(t, held=False))
         elif ev is Ev.START:
@@ -618,18 +644,19 @@ class VoicePipeline:
         """Smart Turn on the audio up to `judge_after_ms` into the pause (not at a one-frame dip inside a word),
         once the transcript is in and only if it neither ends mid-phrase nor closes itself with Whisper sure of
         its last word (`TurnOptions.sure_end_prob`): then the transcript alone decides. Run
-        beside the final Whisper decode, it delayed that decode and the whole answer by ~80 ms on two cores.
-        With `judge_after_first_clause` it also waits for the speculative answer's first clause to be
-        synthesised (measured slower to the first audio, so off: docs/voice.md)."""
+        beside the final Whisper decode (`TurnOptions.judge_at` "pause"), it delayed that decode and the whole
+        answer on two cores. With "first-clause" it also waits for the speculative answer's first piece to be
+        synthesised (measured slower to the first audio: docs/voice.md)."""
         u = self._utt
         if u is None or u.judged or not self.eot.smart or self._silence_ms < self.eot.opts.judge_after_ms:
             return
         if u.judge_frames is None:
             u.judge_frames = len(u.audio)
-        if u.spec_text is None and self.opts.speculative and self.eot.opts.text_cue:
+        at = self.eot.opts.judge_at
+        if at != "pause" and u.spec_text is None and self.opts.speculative and self.eot.opts.text_cue:
             return  # the final decode is still running
         t = u.spec_turn
-        if self.eot.opts.judge_after_first_clause and t is not None and not t.first_clause_done.is_set():
+        if at == "first-clause" and t is not None and not t.first_clause_done.is_set():
             return  # the speculative answer's first clause is being written and synthesised: that comes first
         u.judged = True
         if u.decision is not None and u.decision.text_decides:
@@ -640,7 +667,7 @@ class VoicePipeline:
 
     def first_clause_synthesised(self, turn: Turn) -> None:
         """Synthesis thread: a turn's first clause has its audio (held, when speculative). If it is this
-        pause's speculative answer, Smart Turn may run now (`TurnOptions.judge_after_first_clause`)."""
+        pause's speculative answer, Smart Turn may run now (`TurnOptions.judge_at` "first-clause")."""
         if not self._lock.acquire(timeout=0.5):  # else the next frame's _maybe_judge gets it
             return
         try:
@@ -773,6 +800,12 @@ class VoicePipeline:
         u.draft = Turn(self, text, TurnTimings(), held=True, draft=True)
         self.n_drafts += 1
 
+    def count_wasted_draft(self, answer: Answer) -> None:
+        """Generation thread: a draft ended without becoming the turn; its tokens were computed for nothing."""
+        with self._count_lock:
+            self.wasted_draft_tokens += answer.n_tokens
+            self.wasted_draft_cloud_tokens += answer.n_cloud_tokens
+
     def _take_draft(self, u: _Utterance, text: str) -> Turn | None:
         """The speculative final transcript is in: the draft becomes the turn if it has the same words."""
         d = u.draft
@@ -858,12 +891,14 @@ class VoicePipeline:
         buf = self.sink.buffer
         if buf.first_out_t is not None:
             turn.timings.mark("first_audio_out", buf.first_out_t)
-            if self._first_audio_only and not turn.stop.is_set():
+            limit = self._reply_limit_s
+            if limit is not None and buf.played >= limit * self.sink.rate and not turn.stop.is_set():
                 turn.cancel()
                 buf.flush()
         if not turn.finished():
             return
         turn.join()
+        turn.measure_gaps()
         self._playing = None
         text = turn.full_text.strip()
         self.dialogue.add_exchange(turn.user_text, text)
@@ -894,6 +929,7 @@ class VoicePipeline:
             turn.timings.mark("first_audio_out", self.sink.buffer.first_out_t)
         heard = turn.heard_text(played)
         turn._gen_t.join(1.0)  # generation stops within a token
+        turn.measure_gaps(until=t_stopped)
         self._playing = None
         self.dialogue.add_exchange(turn.user_text, heard)
         self.emit(Interruption(onset_t, t_stopped, heard))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Sequence
 
 STAGES = (
     "speech_end",  # capture time of the last voiced frame
@@ -25,6 +26,10 @@ class TurnTimings:
     first_clause_ready: float | None = None
     tts_first_audio: float | None = None
     first_audio_out: float | None = None
+    # Where synthesis fell behind playback, after the first audio: silences the person heard inside the reply
+    # (each over GAP_MIN_S), and their total. See playback_gaps.
+    playback_gaps: int = 0
+    playback_gap_ms: float = 0.0
 
     def mark(self, stage: str, t: float) -> None:
         """Record a stage once (the first time it happens)."""
@@ -56,10 +61,49 @@ class TurnTimings:
             "timings_ms": self.relative_ms(),
             "end_of_speech_to_first_audio_ms": _r(self.end_of_speech_to_first_audio_ms),
             "endpoint_to_first_audio_ms": _r(self.endpoint_to_first_audio_ms),
+            "playback_gaps": self.playback_gaps,
+            "playback_gap_ms": _r(self.playback_gap_ms),
         }
 
     def names(self) -> list[str]:
         return [f.name for f in fields(self)]
+
+
+GAP_MIN_S = 0.02  # a device block: shorter lateness is the output's own granularity, not a heard gap
+
+
+def playback_gaps(
+    puts: Sequence[tuple[float, int]],
+    first_out_t: float,
+    rate: int,
+    pauses: Sequence[tuple[float, float]] = (),
+    until: float | None = None,
+) -> tuple[int, float]:
+    """How often and how long the output ran dry inside a reply: (gaps, total ms).
+
+    `puts` are (when queued, samples) for each piece of the reply's audio, in order. Playback starts at
+    `first_out_t` and plays on, except during `pauses` ((start, seconds): a possible barge-in held it), so
+    a piece is due once everything queued before it has played; one queued later than that was heard as
+    silence for the difference. Pieces queued after `until` (an interruption) are not counted.
+    """
+    gaps, late, queued = 0, 0.0, 0
+    for t, n in puts:
+        if until is not None and t > until:
+            break
+        due = first_out_t + queued / rate + late
+        due += sum(d for start, d in pauses if start < due)
+        if t - due > GAP_MIN_S:
+            gaps += 1
+            late += t - due
+        queued += n
+    return gaps, late * 1000
+
+
+def playback_gap_line(gaps: int, gap_ms: float) -> str:
+    """What the person heard of synthesis falling behind: for the terminal UI and `file`."""
+    if not gaps:
+        return "playback: no gaps"
+    return f"playback: {gaps} gap{'s' if gaps > 1 else ''} ({gap_ms:.0f} ms of silence) where synthesis fell behind"
 
 
 def _r(x: float | None) -> float | None:

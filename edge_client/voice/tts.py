@@ -1,10 +1,13 @@
 """Speech out: the clause chunker (text stream -> speakable pieces) and Piper.
 
 The first piece is cut at the first clause boundary (, ; : . ! ? or a line
-break) so speech can start after a handful of tokens; later pieces are whole
-sentences, which Piper renders with better prosody. A piece that grows past
-`max_words` without punctuation is cut at a space so a run-on answer cannot
-stall the voice.
+break), or after `first_max_words` words, so speech can start after a couple
+of tokens. Until the first sentence ends, the next pieces end at clause
+boundaries too (the rest of the first clause is ready while the first words
+play; a whole sentence, which the cloud checks first, could leave the speaker
+dry); later pieces are whole sentences, which Piper renders with better
+prosody. A piece that grows past `max_words` without punctuation is cut at a
+space so a run-on answer cannot stall the voice.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ class TtsOptions:
     length_scale: float | None = None  # < 1 speaks faster
     noise_scale: float | None = None  # Piper samples its prosody; 0 and noise_w_scale 0: the same audio every time
     noise_w_scale: float | None = None
-    first_max_words: int = 4  # the first chunk is cut here when no clause has ended yet
+    # The first chunk is cut here when no clause has ended yet. 2 words: end of speech -> first audio 40-65 ms
+    # sooner (paired median, four runs) than 4, with no more gaps in playback (scripts/bench_voice.py --reply-s 4,
+    # docs/voice.md); the seam after two words ("I'm sorry | for any confusion,") is the price
+    first_max_words: int = 2
     max_words: int = 40
     min_first_chars: int = 2  # do not speak a lone "A," as a chunk
     # onnxruntime's threads busy-wait between operators by default. On 2 cores, with anything else running
@@ -45,13 +51,14 @@ class ClauseChunker:
         self.opts = opts or TtsOptions()
         self.buf = ""
         self.n_emitted = 0
+        self._in_first_sentence = True  # pieces end at clause boundaries until a sentence has ended
 
     def feed(self, text: str) -> list[str]:
         self.buf += text
         out = []
         while True:
             first = self.n_emitted == 0
-            pat = _CLAUSE_END if first else _SENTENCE_END
+            pat = _CLAUSE_END if self._in_first_sentence else _SENTENCE_END
             cut = None
             for m in pat.finditer(self.buf):
                 if len(self.buf[: m.end()].strip()) >= self.opts.min_first_chars:
@@ -68,6 +75,8 @@ class ClauseChunker:
             if piece.strip():
                 out.append(piece)
                 self.n_emitted += 1
+                if piece.rstrip(" ")[-1:] in (".", "!", "?", "\n"):
+                    self._in_first_sentence = False
 
     def flush(self) -> list[str]:
         piece, self.buf = self.buf, ""

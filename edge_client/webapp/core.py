@@ -83,7 +83,7 @@ class AppCore:
         store: SettingsStore,
         overrides: dict[str, Any] | None = None,
         audio: str = "browser",
-        first_audio_only: bool = False,
+        reply_limit_s: float | None = None,
     ) -> None:
         self.gen_opts = gen_opts
         self.vopts = vopts
@@ -91,7 +91,7 @@ class AppCore:
         self.saved = store.load()
         self.settings = self.saved.updated(overrides or {})
         self.audio = audio
-        self.first_audio_only = first_audio_only  # benchmarks: each turn ends once its first audio is out
+        self.reply_limit_s = reply_limit_s  # benchmarks: each turn ends once this much of it played (0: first audio)
         self.base_policy = gen_opts.policy
         self.target = CloudTarget(gen_opts.cloud_timeout_s)
         self.gen: RoutedGenerator | None = None

@@ -57,6 +57,8 @@ def turn_json(done: TurnDone, core: AppCore) -> dict[str, Any]:
         "timings": t.relative_ms(),
         "eos_to_first_audio_ms": _round(t.end_of_speech_to_first_audio_ms),
         "endpoint_to_first_audio_ms": _round(t.endpoint_to_first_audio_ms),
+        "playback_gaps": t.playback_gaps,  # where synthesis fell behind playback (TurnTimings)
+        "playback_gap_ms": _round(t.playback_gap_ms),
         "draft": getattr(done, "draft", None),
         "end_of_turn": done.end_of_turn.to_json() if getattr(done, "end_of_turn", None) is not None else None,
         "answer": None,
@@ -273,7 +275,7 @@ class Session:
 
     def _run(self, pipe: VoicePipeline, stop: threading.Event) -> None:
         try:
-            pipe.run(stop, first_audio_only=self.core.first_audio_only)
+            pipe.run(stop, reply_limit_s=self.core.reply_limit_s)
         except Exception as e:  # reported on the page; the tab can reconnect
             log.exception("voice pipeline failed")
             self.send(

@@ -343,7 +343,8 @@ function renderStats(a, m) {
   st.dataset.state = a.degraded ? "degraded" : m.interrupted ? "interrupted" : "complete";
   st.textContent = a.degraded ? "degraded: the device finished alone" : m.interrupted ? "interrupted" : "complete";
   const e2a = m.eos_to_first_audio_ms;
-  $("#last-turn h2").textContent = e2a === null ? "Last turn" : `Last turn · ${Math.round(e2a)} ms to first audio`;
+  const gaps = m.playback_gaps ? ` · ${m.playback_gaps} playback gap${m.playback_gaps > 1 ? "s" : ""} (${Math.round(m.playback_gap_ms)} ms)` : "";
+  $("#last-turn h2").textContent = (e2a === null ? "Last turn" : `Last turn · ${Math.round(e2a)} ms to first audio`) + gaps;
 }
 
 function renderMemory(history) {
