@@ -12,7 +12,9 @@ the bundled Piper voice. Each query is one fresh single-turn dialogue with the
 local loopback cloud server and the router policy. Reports end-of-speech ->
 first audio and endpoint -> first audio (p50, p95, % under 150 ms), the stage
 breakdown (p50 of each stage after end of speech) and the recognition WER.
-Each turn stops once its first audio is out (the rest of the reply is not played); with
+Piper samples its prosody, so each run speaks every query anew and only paired, within-run figures
+compare; `--same-speech` speaks them without sampling (the same audio in every run). Each turn stops
+once its first audio is out (the rest of the reply is not played); with
 `--reply-s S` it plays the first S seconds of each reply and also reports the playback gaps (where
 synthesis fell behind playback, so the person heard silence inside the reply).
 
@@ -63,7 +65,7 @@ from edge_client.voice.asr import AsrOptions, Transcriber  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.endofturn import JUDGE_AT, TurnOptions  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
-from edge_client.voice.tts import Synthesizer  # noqa: E402
+from edge_client.voice.tts import Synthesizer, TtsOptions  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
 from edge_client.voice.wavfile import read_wav  # noqa: E402
 from shared.decision import CHECK_MODES  # noqa: E402
@@ -129,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='queries with mid-utterance pauses and the fluent ones; B defaults to --compare="--turn-mode silence"',
     )
     ap.add_argument("--seed", type=int, default=0, help="picks the pause queries, their pauses and fillers")
+    ap.add_argument(
+        "--same-speech",
+        action="store_true",
+        help="speak the queries without Piper's prosody sampling: every run hears the same audio, so runs "
+        "compare across sessions (flatter prosody than the default, which speaks every query anew)",
+    )
     ap.add_argument("--turn-mode", choices=("smart", "silence"), default=None)
     ap.add_argument("--min-wait-ms", type=int, default=None)
     ap.add_argument("--max-wait-ms", type=int, default=None)
@@ -270,10 +278,18 @@ def offline_transcript(tx: Transcriber, audio: np.ndarray) -> str:
     return " ".join(s.text.strip() for s in segs).strip()
 
 
+def query_voice(args: argparse.Namespace, default: Synthesizer | None = None) -> Synthesizer:
+    """The voice that speaks the queries: Piper sampling its prosody (`default`, else a new one), or with
+    `--same-speech` without sampling, so that the audio is the same in every run."""
+    if args.same_speech:
+        return Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+    return default or Synthesizer()
+
+
 def recognition(args: argparse.Namespace, data: dict) -> None:
     """Offline vs streaming-final WER (and decode time) on the same WAVs, no language model."""
 
-    synth = Synthesizer()
+    synth = query_voice(args)
     models = {"tiny.en": Transcriber(AsrOptions()), "tiny.en, no lead silence": Transcriber(AsrOptions(lead_s=0.0))}
     if args.whisper_dir:
         models[Path(args.whisper_dir).name] = Transcriber(AsrOptions(model_dir=args.whisper_dir))
@@ -371,7 +387,7 @@ def turn_study(args: argparse.Namespace, data: dict) -> None:
     from edge_client.voice.asr import close_gaps
     from edge_client.voice.endofturn import EndOfTurn, SmartTurn
 
-    synth, tx, st = Synthesizer(), Transcriber(AsrOptions()), SmartTurn()
+    synth, tx, st = query_voice(args), Transcriber(AsrOptions()), SmartTurn()
     judges = {
         "before (function words)": TurnOptions(unsure_word_prob=0.0, sure_end_prob=1.0),
         "+ unsure sound-alikes": TurnOptions(sure_end_prob=1.0),
@@ -511,15 +527,16 @@ def main() -> None:
         synths = {
             name: eng.synth if v.tts.spin_wait == first.tts.spin_wait else Synthesizer(v.tts) for name, v, _ in configs
         }
+        speaker = query_voice(args, default=eng.synth)
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
             if pauses:
-                true_end = spoken_wav_with_pauses(eng.synth, text, pauses, wav)
+                true_end = spoken_wav_with_pauses(speaker, text, pauses, wav)
                 if true_end is None:
                     print(f"{i:2d} skipped: no pause found in the synthesised {text!r}")
                     continue
             else:
-                spoken_wav(eng.synth, text, wav)
+                spoken_wav(speaker, text, wav)
                 true_end = speech_span(*read_wav(wav))[1]
             audio, rate = read_wav(wav)
             offline = offline_transcript(eng.transcriber, audio)

@@ -28,7 +28,7 @@ class TtsOptions:
     noise_scale: float | None = None  # Piper samples its prosody; 0 and noise_w_scale 0: the same audio every time
     noise_w_scale: float | None = None
     # The first chunk is cut here when no clause has ended yet. 2 words: end of speech -> first audio 40-65 ms
-    # sooner (paired median, four runs) than 4, with no more gaps in playback (scripts/bench_voice.py --reply-s 4,
+    # sooner (paired median, five runs) than 4, with no more gaps in playback (scripts/bench_voice.py --reply-s 4,
     # docs/voice.md); the seam after two words ("I'm sorry | for any confusion,") is the price
     first_max_words: int = 2
     max_words: int = 40
