@@ -206,12 +206,10 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     t.threshold = t.threshold if args.turn_threshold is None else args.turn_threshold
     t.text_cue = not args.no_text_cue
     t.unsure_word_prob = t.unsure_word_prob if args.unsure_word_prob is None else args.unsure_word_prob
-    if args.judge_at is not None:
-        t.judge_at = args.judge_at
+    t.judge_at = args.judge_at or t.judge_at
     t.sure_end_prob = t.sure_end_prob if args.sure_end_prob is None else args.sure_end_prob
     vopts.draft = args.draft
-    if args.blas_threads is not None:
-        vopts.blas_threads = args.blas_threads
+    vopts.blas_threads = vopts.blas_threads if args.blas_threads is None else args.blas_threads
     return vopts
 
 

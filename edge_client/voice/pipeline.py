@@ -223,7 +223,7 @@ class Turn:
         self.draft_outcome = "off"
         self._held_audio: list[np.ndarray] = []
         self._puts: list[tuple[float, int]] = []  # (when queued to the sink, samples): see measure_gaps
-        self.playback_pauses: list[tuple[float, float]] = []  # (start, seconds) a possible barge-in held it
+        self._playback_pauses: list[tuple[float, float]] = []  # (start, seconds) a possible barge-in held it
         self._held_tokens: list[TokenEvent] = []
         self._lock = threading.Lock()
         self._tokq: queue.SimpleQueue = queue.SimpleQueue()
@@ -351,8 +351,12 @@ class Turn:
         t0 = self.p.sink.buffer.first_out_t
         if t0 is not None:
             self.timings.playback_gaps, self.timings.playback_gap_ms = playback_gaps(
-                self._puts, t0, self.p.sink.rate, self.playback_pauses, until
+                self._puts, t0, self.p.sink.rate, self._playback_pauses, until
             )
+
+    def playback_resumed(self, paused_at: float) -> None:
+        """A possible barge-in held playback since `paused_at` and was not one: not a gap (measure_gaps)."""
+        self._playback_pauses.append((paused_at, time.monotonic() - paused_at))
 
     def cancel(self) -> None:
         self.stop.set()
@@ -582,7 +586,7 @@ class VoicePipeline:
             if self._pause_t is not None:
                 self.sink.buffer.paused = False
                 if self._playing is not None:
-                    self._playing.playback_pauses.append((self._pause_t, time.monotonic() - self._pause_t))
+                    self._playing.playback_resumed(self._pause_t)
                 self._pause_t = None
                 self.emit(ReplyHeld(t, held=False))
         elif ev is Ev.START:

@@ -75,7 +75,7 @@ class ClauseChunker:
             if piece.strip():
                 out.append(piece)
                 self.n_emitted += 1
-                if piece.rstrip(" ")[-1:] in (".", "!", "?", "\n"):
+                if _SENTENCE_END.match(piece.rstrip(" ")[-1:] + " "):  # the piece ends a sentence
                     self._in_first_sentence = False
 
     def flush(self) -> list[str]:
