@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tts-spin", action="store_true", help="let Piper's onnxruntime threads busy-wait (its default)")
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument(
+        "--no-tts-cache", action="store_true", help="synthesise every piece (no cache of short pieces, no openers)"
+    )
+    ap.add_argument(
         "--reply-s",
         type=float,
         default=0.0,
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--asr-threads",
         type=int,
         default=None,
-        help="CTranslate2 threads for Whisper (not with --compare: one recogniser serves both)",
+        help="CTranslate2 threads for Whisper",
     )
     ap.add_argument(
         "--pauses",
@@ -193,6 +196,8 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     if args.first_max_words is not None:
         vopts.tts.first_max_words = args.first_max_words
     vopts.tts.spin_wait = args.tts_spin
+    if args.no_tts_cache:
+        vopts.tts.cache_max_words = 0
     if args.stop_delay_ms is not None:
         vopts.vad.stop_delay_ms = args.stop_delay_ms
     if args.asr_threads is not None:
@@ -235,6 +240,7 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "speculate_after_ms": vopts.speculate_after_ms,
             "first_max_words": vopts.tts.first_max_words,
             "tts_spin_wait": vopts.tts.spin_wait,
+            "tts_cache_max_words": vopts.tts.cache_max_words,
             "stop_delay_ms": vopts.vad.stop_delay_ms,
             "asr_threads": vopts.asr.cpu_threads,
             "blas_threads": vopts.blas_threads,
@@ -262,6 +268,7 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "wasted_tokens_per_turn": float(np.mean([r["wasted_draft_tokens"] for r in rows])),
             "wasted_cloud_tokens_per_turn": float(np.mean([r["wasted_draft_cloud_tokens"] for r in rows])),
         },
+        "first_piece_cached_pct": 100 * float(np.mean([bool(r["first_piece_cached"]) for r in rows])),
         "wer_mean": float(np.mean([r["wer"] for r in rows])),
         "cloud_token_share": float(sum(r["n_cloud_tokens"] for r in rows) / max(1, sum(r["n_tokens"] for r in rows))),
     }
@@ -280,7 +287,7 @@ def query_voice(args: argparse.Namespace, default: Synthesizer | None = None) ->
     """The voice that speaks the queries: Piper sampling its prosody (`default`, else a new one), or with
     `--same-speech` without sampling, so that the audio is the same in every run."""
     if args.same_speech:
-        return Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+        return Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False))
     return default or Synthesizer()
 
 
@@ -521,10 +528,11 @@ def main() -> None:
     first = configs[0][1]
     with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=first.max_tokens, seed=0)) as gen:
         eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
-        # a config that changes how Piper's session is built gets its own synthesiser
-        synths = {
-            name: eng.synth if v.tts.spin_wait == first.tts.spin_wait else Synthesizer(v.tts) for name, v, _ in configs
-        }
+        # a config with other synthesiser options (its session, its cache) or recogniser options gets its own
+        synths = {name: eng.synth if v.tts == first.tts else Synthesizer(v.tts) for name, v, _ in configs}
+        recognisers = {name: eng.transcriber if v.asr == first.asr else Transcriber(v.asr) for name, v, _ in configs}
+        for tx in recognisers.values():
+            tx.recognize(np.zeros(16000, np.float32), final=True)  # warm-up, as Engines does
         speaker = query_voice(args, default=eng.synth)
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
@@ -537,13 +545,13 @@ def main() -> None:
                 spoken_wav(speaker, text, wav)
                 true_end = speech_span(*read_wav(wav))[1]
             audio, rate = read_wav(wav)
-            offline = offline_transcript(eng.transcriber, audio)
+            offline = offline_transcript(recognisers["a"], audio)
             order = (
                 configs if i % 2 == 0 else configs[::-1]
             )  # alternate, so neither config always runs on a warmer cache
             for name, vopts, flags in order:
                 gen.reconfigure(lookahead=flags["lookahead"], check=flags["check"])
-                eng.synth = synths[name]
+                eng.synth, eng.transcriber = synths[name], recognisers[name]
                 t = time.monotonic()
                 obj = run_file_turn(
                     gen,

@@ -168,6 +168,52 @@ def test_a_late_piece_of_the_reply_is_reported_as_a_playback_gap(engines, tmp_pa
     assert 1.5 <= obj["reply_seconds"] < 1.5 + 0.2, obj["reply_seconds"]  # stopped at the limit, not the end
 
 
+def test_a_reply_opening_said_before_plays_from_the_synthesisers_cache(engines, tmp_path, monkeypatch):
+    """The synthesiser's cache in real turns: the demo question asked twice, through a synthesiser that
+    starts empty (no openings rendered ahead). The first turn reports its first piece synthesised, and
+    keeps every piece of up to three words it said whole. The second turn reports its first piece cached
+    exactly when it sounds like one of those (same phonemes), and then plays the very same audio, with
+    no Piper run. Which words the model says is not fixed here; the report must match what was said."""
+    from edge_client.voice.tts import Synthesizer, TtsOptions, speakable
+
+    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    synth = Synthesizer(TtsOptions(warm_openers=False))
+    monkeypatch.setattr(engines, "synth", synth)
+    said: list[list[tuple[str, list, list]]] = []  # per turn: (piece, its audio arrays, [True] once whole)
+    real_chunks = synth.chunks
+
+    def spied(text):
+        audio, whole = [], []
+        said[-1].append((text, audio, whole))
+        for a in real_chunks(text):
+            audio.append(a)
+            yield a
+        whole.append(True)
+
+    monkeypatch.setattr(synth, "chunks", spied)
+
+    def sound(text: str) -> tuple:
+        return tuple("".join(p) for p in synth.voice.phonemize(speakable(text)))
+
+    objs = []
+    for i in range(2):
+        said.append([])
+        opts = VoiceOptions()
+        objs.append(
+            run_file_turn(
+                engines.gen, str(q), str(tmp_path / f"r{i}.wav"), opts, realtime=True, engines=engines, reply_limit_s=2
+            )
+        )
+    assert objs[0]["first_piece_cached"] is False and said[0] and said[1]
+    kept = {sound(t): audio for t, audio, whole in said[0] if whole and len(speakable(t).split()) <= 3}
+    first, audio, _ = said[1][0]
+    assert objs[1]["first_piece_cached"] is (sound(first) in kept), (first, list(kept))
+    if objs[1]["first_piece_cached"]:
+        assert len(audio) == len(kept[sound(first)]) and all(a is b for a, b in zip(audio, kept[sound(first)]))
+    for obj in objs:
+        assert obj["end_of_speech_to_first_audio_ms"] > 0 and obj["reply_seconds"] >= 1.5
+
+
 def test_silence_only_is_reported(engines, tmp_path):
     from edge_client.voice.wavfile import write_wav
 

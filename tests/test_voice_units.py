@@ -231,6 +231,55 @@ def test_piper_threads_sleep_between_operators_unless_asked_to_spin():
     assert sleeping.rate == 22050 and len(a) > 0.5 * sleeping.rate and np.allclose(a, b, atol=1e-4)
 
 
+def test_short_pieces_play_from_the_synthesisers_cache_keyed_by_their_phonemes():
+    """A reply's first piece is most often one of a few openings ("I'm sorry"): said again, a short piece
+    plays the audio kept from its first synthesis, with no Piper run (spied on: the real method runs). The
+    key is Piper's phonemes, so a different spelling of the same sound shares it and a comma (a pause)
+    does not. Longer pieces are never kept; the least recently used piece goes first when it is full."""
+    s = Synthesizer(TtsOptions(cache_entries=3, warm_openers=False))
+    runs: list[str] = []
+    real = s.voice.synthesize
+
+    def spied(text, **kw):
+        runs.append(text)
+        return real(text, **kw)
+
+    s.voice.synthesize = spied
+    assert not s.is_cached("I'm sorry")
+    first = list(s.chunks("I'm sorry"))
+    again = list(s.chunks(" i'm  sorry"))
+    assert runs == ["I'm sorry"] and s.is_cached("i'm sorry") and (s.cache_hits, s.cache_misses) == (1, 1)
+    assert len(first) == len(again) == 1 and again[0] is first[0] and len(first[0]) > 0.3 * s.rate
+    assert not first[0].flags.writeable  # shared by every turn that says it: nobody may change it
+    assert not s.is_cached("I'm sorry,")  # Piper pauses after a comma: other audio
+    list(s.chunks("Sure, here are four words."))
+    list(s.chunks("Sure, here are four words."))
+    assert runs.count("Sure, here are four words.") == 2 and not s.is_cached("Sure, here are four words.")
+    for piece in ("You can", "Yes,"):
+        list(s.chunks(piece))
+    list(s.chunks("i'm sorry"))  # used again: now the most recent
+    list(s.chunks("The capital"))  # a fourth entry: "You can" was the least recently used
+    assert [s.is_cached(p) for p in ("I'm sorry", "You can", "Yes,", "The capital")] == [True, False, True, True]
+    off = Synthesizer(TtsOptions(cache_max_words=0, warm_openers=False))
+    list(off.chunks("Yes,"))
+    assert not off.is_cached("Yes,") and off.cache_misses == 0
+
+
+def test_the_usual_reply_openings_are_rendered_at_start_up():
+    """openers.txt (scripts/make_openers.py) lists the first pieces the assistant says most often, counted on
+    CLINC150 train replies; a synthesiser renders them when it starts, so even the first reply that opens
+    with one plays its first piece at once. Off: nothing is rendered ahead."""
+    from edge_client.voice.tts import OPENERS_FILE, read_openers
+
+    openers = read_openers()
+    assert len(openers) >= 10 and "I'm sorry" in openers and all(0 < len(o.split()) <= 3 for o in openers)
+    counts = [int(ln.split("\t")[1]) for ln in OPENERS_FILE.read_text().splitlines() if not ln.startswith("#")]
+    assert counts == sorted(counts, reverse=True)  # most frequent first
+    warm = Synthesizer()
+    assert all(warm.is_cached(o) for o in openers) and (warm.cache_hits, warm.cache_misses) == (0, 0)
+    assert not Synthesizer(TtsOptions(warm_openers=False)).is_cached(openers[0])
+
+
 def test_numpy_blas_on_one_thread_leaves_no_core_spinning_after_a_mel_filterbank():
     """OpenBLAS's worker busy-waits ~100 ms after a product big enough to split, such as Whisper's and Smart
     Turn's mel filterbanks: a core lost on 2 (edge_client/voice/blas.py). Limited to one thread, the process

@@ -30,7 +30,11 @@ class AsrOptions:
     language: str = "en"  # forced: tiny.en is English-only; no language detection pass
     beam_size: int = 1
     compute_type: str = "int8"
-    cpu_threads: int = 2
+    # One CTranslate2 thread: a final decode took ~105 ms on one thread against ~135 ms on two (the decoder's
+    # small per-token products gain nothing from a second thread), and the other core stays free for Smart Turn,
+    # the prompt prefill and the cloud. End of speech -> first audio paired median -50 ms, faster on 80 % of
+    # queries (scripts/bench_voice.py --compare="--asr-threads 1", docs/voice.md).
+    cpu_threads: int = 1
     pad_s: float = 1.0  # silence appended before encoding; "full" context = 30 s if pad_s < 0
     # Silence put before the utterance. The VAD's pre-roll leaves ~0.2 s before the speech, and with so
     # little lead tiny.en heard the demo's last word "France" as "friends" in 7 of 24 syntheses; with

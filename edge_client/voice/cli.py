@@ -141,6 +141,8 @@ def latency_table(obj: dict) -> str:
     rows = [f"  {k:20s} {'-' if v is None else f'{v:8.1f} ms'}" for k, v in obj["timings_ms"].items()]
     rows.append(f"  {'EoS -> first audio':20s} {obj['end_of_speech_to_first_audio_ms']} ms")
     rows.append(f"  {'endpoint -> audio':20s} {obj['endpoint_to_first_audio_ms']} ms")
+    if obj.get("first_piece_cached"):
+        rows.append("  first piece: from the synthesiser's cache (no Piper run)")
     rows.append("  " + playback_gap_line(obj["playback_gaps"], obj["playback_gap_ms"]))
     return "latency (relative to the end of speech):\n" + "\n".join(rows)
 

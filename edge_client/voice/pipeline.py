@@ -278,8 +278,10 @@ class Turn:
                 if self.stop.is_set():
                     break
                 self.timings.mark("first_clause_ready", time.monotonic())
-                if not self.segments and self.p.opts.first_chunk_priority:
-                    self._gen_may_run.clear()  # set again once this first piece is synthesised
+                if not self.segments:
+                    self.timings.first_piece_cached = synth.is_cached(piece)
+                    if self.p.opts.first_chunk_priority and not self.timings.first_piece_cached:
+                        self._gen_may_run.clear()  # set again once this first piece is synthesised
                 seg = [piece, 0]
                 self.segments.append(seg)
                 for audio in synth.chunks(piece):
@@ -340,6 +342,7 @@ class Turn:
                 t = getattr(self.timings, stage)
                 if t is not None:
                     timings.mark(stage, t)
+            timings.first_piece_cached = self.timings.first_piece_cached
             self.timings = timings
             self.user_text = user_text
         self._adopted.set()

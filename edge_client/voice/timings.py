@@ -30,6 +30,8 @@ class TurnTimings:
     # (each over GAP_MIN_S), and their total. See playback_gaps.
     playback_gaps: int = 0
     playback_gap_ms: float = 0.0
+    # The first piece played from the synthesiser's cache (no Piper run: tts_first_audio ~ first_clause_ready)
+    first_piece_cached: bool | None = None
 
     def mark(self, stage: str, t: float) -> None:
         """Record a stage once (the first time it happens)."""
@@ -63,6 +65,7 @@ class TurnTimings:
             "endpoint_to_first_audio_ms": _r(self.endpoint_to_first_audio_ms),
             "playback_gaps": self.playback_gaps,
             "playback_gap_ms": _r(self.playback_gap_ms),
+            "first_piece_cached": self.first_piece_cached,
         }
 
     def names(self) -> list[str]:

@@ -13,6 +13,8 @@ space so a run-on answer cannot stall the voice.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +22,9 @@ from typing import Iterator
 import numpy as np
 
 from .assets import piper_voice_path
+
+# The reply openings rendered at start-up (scripts/make_openers.py writes it): one per line, a tab and its count.
+OPENERS_FILE = Path(__file__).with_name("openers.txt")
 
 
 @dataclass
@@ -38,6 +43,13 @@ class TtsOptions:
     # took 129-148 ms instead of 90-97 beside a process busy a full core, for +1 to +12 ms idle
     # (scripts/bench_tts_spin.py, docs/voice.md). So they sleep between operators unless this is set.
     spin_wait: bool = False
+    # Pieces of up to this many words are kept once synthesised (keyed by Piper's phonemes, so "I'm sorry" and
+    # "i'm sorry" are one), up to `cache_entries`, least recently used dropped; 0 words: no cache. A reply's first
+    # piece is most often one of a few openings ("I'm sorry", "You can"): found here, it plays with no synthesis.
+    cache_max_words: int = 3
+    cache_entries: int = 256
+    # Render the openings in openers.txt at start-up (~50 ms each), so the first reply that opens with one is fast too
+    warm_openers: bool = True
 
 
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s)|\n")
@@ -94,8 +106,19 @@ def speakable(text: str) -> str:
     return re.sub(r"\s+", " ", _MARKUP.sub(" ", text)).strip()
 
 
+def read_openers(path: Path = OPENERS_FILE) -> list[str]:
+    """The openings listed in `path` (comments and counts aside), most frequent first."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [ln.split("\t")[0].strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
 class Synthesizer:
-    """Piper with the bundled en_US-joe-medium voice, loaded once and warmed up."""
+    """Piper with the bundled en_US-joe-medium voice, loaded once and warmed up.
+
+    Short pieces are cached by their phonemes (`TtsOptions.cache_max_words`): Piper takes ~50 ms for a
+    two-word first piece on the 2-core VM, the largest stage between the first token and the first audio,
+    and a few openings start most replies. The cached audio is read-only and shared between turns.
+    """
 
     def __init__(self, opts: TtsOptions | None = None) -> None:
         import json
@@ -120,15 +143,64 @@ class Synthesizer:
             noise_scale=self.opts.noise_scale,
             noise_w_scale=self.opts.noise_w_scale,
         )
-        self.synthesize("Ready.")  # first run initialises onnxruntime kernels
+        self._cache: OrderedDict[tuple[str, ...], list[np.ndarray]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.cache_hits = self.cache_misses = 0  # pieces short enough to cache, found or not
+        for _ in self.voice.synthesize("Ready.", syn_config=self._cfg):  # initialises onnxruntime's kernels
+            pass
+        if self.opts.warm_openers and self.opts.cache_max_words > 0:
+            for opener in read_openers():
+                self.synthesize(opener)
+        self.cache_hits = self.cache_misses = 0
 
     def chunks(self, text: str) -> Iterator[np.ndarray]:
-        """Float32 audio, one array per sentence Piper finds in `text`."""
+        """Float32 audio, one array per sentence Piper finds in `text` (from the cache when short and seen)."""
         t = speakable(text)
         if not t:
             return
+        key = self._cache_key(t)
+        cached = self._lookup(key)
+        if cached is not None:
+            yield from cached
+            return
+        audio = []
         for c in self.voice.synthesize(t, syn_config=self._cfg):
-            yield c.audio_float_array
+            a = c.audio_float_array
+            a.flags.writeable = False  # a cached piece is shared by every turn that says it
+            audio.append(a)
+            yield a
+        if key is not None:  # only once synthesised whole (a turn cancelled mid-piece stops above)
+            self._store(key, audio)
+
+    def _lookup(self, key: tuple[str, ...] | None) -> list[np.ndarray] | None:
+        if key is None:
+            return None
+        with self._cache_lock:
+            audio = self._cache.get(key)
+            if audio is None:
+                self.cache_misses += 1
+                return None
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
+            return audio
+
+    def _store(self, key: tuple[str, ...], audio: list[np.ndarray]) -> None:
+        with self._cache_lock:
+            self._cache[key] = audio
+            while len(self._cache) > self.opts.cache_entries:
+                self._cache.popitem(last=False)  # the least recently used
+
+    def is_cached(self, text: str) -> bool:
+        """`text` would play from the cache (the turn timings report it for the first piece)."""
+        key = self._cache_key(speakable(text))
+        with self._cache_lock:
+            return key is not None and key in self._cache
+
+    def _cache_key(self, text: str) -> tuple[str, ...] | None:
+        """Piper's phonemes of a piece short enough to cache (what decides its audio), else None."""
+        if not text or len(text.split()) > self.opts.cache_max_words:
+            return None
+        return tuple("".join(p) for p in self.voice.phonemize(text))
 
     def synthesize(self, text: str) -> np.ndarray:
         parts = list(self.chunks(text))
