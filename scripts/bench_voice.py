@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-wait-ms", type=int, default=None)
     ap.add_argument("--turn-threshold", type=float, default=None)
     ap.add_argument("--no-text-cue", action="store_true")
+    ap.add_argument("--judge-after-ms", type=int, default=None, help="silence before Smart Turn may run")
     ap.add_argument(
         "--judge-at",
         choices=JUDGE_AT,
@@ -212,6 +213,7 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     t.text_cue = not args.no_text_cue
     t.unsure_word_prob = t.unsure_word_prob if args.unsure_word_prob is None else args.unsure_word_prob
     t.judge_at = args.judge_at or t.judge_at
+    t.judge_after_ms = args.judge_after_ms or t.judge_after_ms
     t.sure_end_prob = t.sure_end_prob if args.sure_end_prob is None else args.sure_end_prob
     vopts.draft = args.draft
     vopts.blas_threads = vopts.blas_threads if args.blas_threads is None else args.blas_threads
