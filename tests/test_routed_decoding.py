@@ -125,7 +125,11 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(
     )  # a guess is never late here
     try:
         taken = kept = 0
-        for q in QUESTIONS:
+        # the shared questions, then more only until both outcomes were seen (on a Zen 3 VM no guess was
+        # taken at 1 nat in the shared three: which positions are near-ties depends on the CPU's kernels)
+        for q in QUESTIONS + LONG_QUESTIONS:
+            if q not in QUESTIONS and taken and kept:
+                break
             heard: list = []
             a = gen.generate(chat(q), max_tokens=MAX_TOKENS, on_token=heard.append)
             assert not a.degraded
@@ -216,6 +220,7 @@ LONG_QUESTIONS = [
     "tell me a fun fact about octopuses",
     "what should i pack for a beach holiday",
     "how do i reset my wifi router",
+    "describe how a bicycle works",  # answers are shorter on some CPUs: 196 tokens in 4 on a Zen 3 VM
 ]
 
 

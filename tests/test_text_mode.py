@@ -412,6 +412,7 @@ LONG_QUESTIONS = [
     "tell me a fun fact about octopuses",
     "how do you say hello in japanese",
     "how do i reset my wifi router",
+    "describe how a bicycle works",  # answers are shorter on some CPUs: 196 tokens in 4 on a Zen 3 VM
 ]
 
 

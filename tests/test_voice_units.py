@@ -568,9 +568,26 @@ HESITATIONS = [
 SOUND_ALIKE_ENDINGS = ["Can you help me?", "What time is it?", "I want to talk to you.", "Where is that?"]
 
 
+def test_the_last_word_probability_is_the_kept_transcripts_after_a_loop_is_cut():
+    """tiny.en sometimes loops into the padding ("Can you help me? Can you help me? Can you"); collapse_repeats
+    keeps "Can you help me?", and the probability the end-of-turn judge reads must be that of its "me", not of
+    the loop's last "you" (which left it None, so a sure question went to Smart Turn). Real tokenizer."""
+    from edge_client.voice.asr import Transcriber
+
+    tx = Transcriber()
+    ids = tx.tokenizer.encode(" Can you help me? Can you help me? Can you")
+    kept = tx._kept(ids, "Can you help me?")
+    assert tx.tokenizer.decode(kept).strip().rstrip("?") == "Can you help me" and len(kept) < len(ids)
+    assert tx._kept(ids, "Can you help me? Can you help me? Can you") == ids  # nothing cut: all of it
+    logits = [np.where(np.arange(max(ids) + 1) == t, 8.0, 0.0) for t in ids]  # each step sure of its token
+    assert tx._last_word(kept, logits)[0] == "me" and tx._last_word(ids, logits)[0] == "you"
+
+
 def test_whisper_is_unsure_of_a_function_word_misheard_at_a_hesitation():
-    """The real models: at the hesitations tiny.en writes a word that looks finished, and only its low probability
-    tells (the old cue, `unsure_below=0`, calls them finished: the pause benchmark's cut-offs); the fluent
+    """The real models: at the hesitations tiny.en writes a function word or one that looks finished, and its low
+    probability tells: all are unfinished with the cue as built, while the old cue (`unsure_below=0`) calls some
+    of them finished (the pause benchmark's cut-offs). Which word tiny.en writes at a given hesitation ("to" or
+    "too", "the" or "that") differs between CPUs' kernels, so not every one must fool the old cue. The fluent
     questions ending on such a word are heard with confidence and stay finished."""
     from voice_audio import paused_speech, utterance_at_pause
 
@@ -580,11 +597,15 @@ def test_whisper_is_unsure_of_a_function_word_misheard_at_a_hesitation():
     tx, s = Transcriber(), Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
     z = np.zeros(6400, np.float32)
     below = TurnOptions().unsure_word_prob
+    fooled_the_old_cue = []
     for text in HESITATIONS:
         a = np.concatenate([z, 0.8 * paused_speech(s, text, {0: 1500}), z])
         r = tx.recognize(utterance_at_pause(a, VadOptions(), AsrOptions().max_gap_ms), final=True)
         assert r.last_word_prob is not None and r.last_word_prob < below, (text, r)
-        assert unfinished_text(r.text, r.last_word_prob, below) and not unfinished_text(r.text), (text, r)
+        assert unfinished_text(r.text, r.last_word_prob, below), (text, r)
+        if not unfinished_text(r.text):
+            fooled_the_old_cue.append(r.text)
+    assert len(fooled_the_old_cue) >= 2, fooled_the_old_cue
     for text in SOUND_ALIKE_ENDINGS:
         a = np.concatenate([z, 0.8 * resample(s.synthesize(text), s.rate, 16000), z])
         r = tx.recognize(utterance_at_pause(a, VadOptions(), AsrOptions().max_gap_ms, 300), final=True)

@@ -110,8 +110,8 @@ class Transcriber:
             return Recognition(text)
         if still_loops(text):
             return Recognition(self._whole(audio))
-        word, prob = self._last_word(ids, res[0].logits[0])
-        # collapse_repeats may have cut the end: the probability belongs to the decoded last word only
+        word, prob = self._last_word(self._kept(ids, text), res[0].logits[0])
+        # the probability belongs to the transcript's last word only (a check: _kept found where it ends)
         tail = re.findall(r"[\w']+", text.lower())
         return Recognition(text, prob if word is not None and tail and tail[-1] == word else None)
 
@@ -127,6 +127,18 @@ class Transcriber:
                 vad_filter=False,
             )
             return " ".join(s.text.strip() for s in segs).strip()
+
+    def _kept(self, ids: list[int], text: str) -> list[int]:
+        """The tokens of `ids` up to the last word of `text`: where collapse_repeats cut a loop ("Can you help
+        me? Can you help me? Can you" -> "Can you help me?"), the word the transcript ends on is the one before
+        the cut, not the loop's last (its probability, not None, then reaches the end-of-turn judge)."""
+        want = [w for w in map(_norm, text.split()) if w]
+        if [w for w in map(_norm, self.tokenizer.decode(ids).split()) if w] == want:
+            return ids
+        for j in range(1, len(ids) + 1):
+            if [w for w in map(_norm, self.tokenizer.decode(ids[:j]).split()) if w] == want:
+                return ids[:j]
+        return ids
 
     def _last_word(self, ids: list[int], logits: list) -> tuple[str | None, float | None]:
         """The decoded last word (lower case, punctuation aside) and the probability of its least likely token;
