@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,7 @@ from edge_client.generator import open_generator  # noqa: E402
 from edge_client.options import GeneratorOptions  # noqa: E402
 from edge_client.voice.dialogue import Dialogue, DialogueOptions  # noqa: E402
 from edge_client.voice.tts import OPENERS_FILE, ClauseChunker, TtsOptions, speakable  # noqa: E402
-
-DATA = Path("/work/shared/datasets/clinc150/data_full.json")
+from models.train.prompts import clinc_prompts  # noqa: E402
 
 
 def first_piece(gen, query: str, tts: TtsOptions) -> str:
@@ -47,11 +45,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=400, help="CLINC150 train queries to answer (evenly spaced)")
     ap.add_argument("--top", type=int, default=24, help="openings to keep")
-    ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=str(OPENERS_FILE))
     args = ap.parse_args()
-    train = [q for q, _ in json.load(open(args.data))["train"]]
-    queries = train[:: max(1, len(train) // args.n)][: args.n]
+    queries = clinc_prompts("train", args.n)  # an even stride through the split ($TOKENROUTER_CLINC: another copy)
     tts = TtsOptions()
     counts: collections.Counter[str] = collections.Counter()
     spelled: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)

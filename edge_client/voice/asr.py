@@ -132,11 +132,11 @@ class Transcriber:
         """The tokens of `ids` up to the last word of `text`: where collapse_repeats cut a loop ("Can you help
         me? Can you help me? Can you" -> "Can you help me?"), the word the transcript ends on is the one before
         the cut, not the loop's last (its probability, not None, then reaches the end-of-turn judge)."""
-        want = [w for w in map(_norm, text.split()) if w]
-        if [w for w in map(_norm, self.tokenizer.decode(ids).split()) if w] == want:
+        want = _norm_words(text)
+        if _norm_words(self.tokenizer.decode(ids)) == want:
             return ids
-        for j in range(1, len(ids) + 1):
-            if [w for w in map(_norm, self.tokenizer.decode(ids[:j]).split()) if w] == want:
+        for j in range(1, len(ids)):
+            if _norm_words(self.tokenizer.decode(ids[:j])) == want:
                 return ids[:j]
         return ids
 
@@ -214,7 +214,7 @@ def still_loops(text: str) -> bool:
     """A run of two or more words said again at once ("T- ya T- ya", "spell, desert, spel, desert"): a loop
     `collapse_repeats` left (it cuts whole-sentence and 3+ word repeats). Two streaming final decodes in
     200 looped so and cost 3.5 points of WER on 100 fluent queries; the offline decode got both right."""
-    w = [x for x in (_norm(x) for x in text.split()) if x]
+    w = _norm_words(text)
     return any(
         w[i : i + n] == w[i + n : i + 2 * n] for n in range(2, len(w) // 2 + 1) for i in range(len(w) - 2 * n + 1)
     )
@@ -234,6 +234,11 @@ def _first_repeat(words: list[str]) -> int:
 
 def _norm(w: str) -> str:
     return re.sub(r"[^\w']", "", w.lower())
+
+
+def _norm_words(text: str) -> list[str]:
+    """The words of `text`, lower case, punctuation aside (a word of punctuation only drops out)."""
+    return [w for w in map(_norm, text.split()) if w]
 
 
 class LocalAgreement:

@@ -156,7 +156,7 @@ class Synthesizer:
         if self.opts.warm_openers and self.opts.cache_max_words > 0:
             for opener in read_openers():
                 self.synthesize(opener)
-        self.cache_hits = self.cache_misses = 0
+        self.cache_hits = self.cache_misses = 0  # the counts are the turns' (not the warm-up's)
 
     def chunks(self, text: str) -> Iterator[np.ndarray]:
         """Float32 audio, one array per sentence Piper finds in `text` (from the cache when short and seen)."""
