@@ -130,3 +130,43 @@ def agree_up_to_a_tie(info: ModelInfo, messages: list[dict], a: list[int], b: li
         return False
     logits = teacher_forced_logits(info, messages, a[: i + 1])[i]
     return is_greedy_choice(logits, a[i], tie) and is_greedy_choice(logits, b[i], tie)
+
+
+def follow_reference(
+    info: ModelInfo, messages: list[dict], reference: list[int], served: list[int], tie: float = 0.5
+) -> list[int]:
+    """Check an answer a server wrote so far (`served`) against the model's own greedy `reference`,
+    and return the reference to check its next tokens against.
+
+    `served` must be the reference's start, or depart from it only at a near-tie
+    (`agree_up_to_a_tie`): another engine (batched kernels, another CPU) may break a tie the
+    other way, and from there both are right but different. Then the reference becomes `served`
+    and the model's greedy continuation after it, as long as before."""
+    want = reference[: len(served)]
+    assert agree_up_to_a_tie(info, messages, served, want, tie), ("not a near-tie", served, want)
+    if served == want:
+        return reference
+    return reference_greedy(info, messages, max(len(reference), len(served)), prefix=served)
+
+
+def text_agrees_up_to_a_tie(
+    info: ModelInfo, model: LlamaModel, messages: list[dict], answer: list[int], text: bytes, tie: float = 0.5
+) -> bool:
+    """`text` spells `answer` (that model's greedy tokens), or departs from it where the model (run
+    alone, teacher-forced) finds both its token and the text's own next token (the model's
+    tokenization of the rest) within `tie` nats of its best: `agree_up_to_a_tie` for an answer
+    that came back as text (a mixed pair shares text, not tokens). A text that stops inside the
+    answer does not agree."""
+    done = b""
+    for i, token in enumerate(answer):
+        piece = model.token_bytes(token)
+        if text.startswith(done + piece):
+            done += piece
+            continue
+        rest = text[len(done) :]
+        if not rest:
+            return False  # the text ended inside the answer
+        other = model.tokenize(rest.decode("utf-8", errors="replace"), parse_special=False)[0]
+        logits = teacher_forced_logits(info, messages, answer[: i + 1])[i]
+        return is_greedy_choice(logits, token, tie) and is_greedy_choice(logits, other, tie)
+    return text == done

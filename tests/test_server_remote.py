@@ -57,7 +57,7 @@ from shared.protocol import (
 )
 from shared.sampling import NO_GUESS
 from tests.conftest import chat
-from tests.helpers import reference_greedy
+from tests.helpers import agree_up_to_a_tie, follow_reference, reference_greedy
 from tests.test_server_engine import assert_implements
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,8 +209,9 @@ def test_the_probe_finds_guesses_and_a_way_to_verify(openai_server, cloud_info):
 
 def test_remote_verdicts_and_guesses_are_the_embedded_engines(openai_server, cloud_info, edge_info):
     """The same drafts judged by the embedded engine and by the remote engine (by continuation, and
-    once by echo) get the same verdicts: exact checks, the lenient check within 1 nat, a bonus. The
-    guess a generate brings along is the embedded engine's guess, and is written when asked for."""
+    once by echo) get the same verdicts: exact checks, the lenient check within 1 nat, a bonus (up
+    to a near-tie: the remote server's batched kernels may break one the other way). The guess a
+    generate brings along is the embedded engine's guess, and is written when asked for."""
     q = chat(WIFI)
     drafts = reference_greedy(edge_info, q, 10)  # the device's own answer: drafts the cloud disagrees with
     cases = [(list(range(10)), 0.0, False), ([], 1.0, False), ([3], 1.0, True), ([], 50.0, True)]
@@ -237,7 +238,9 @@ def test_remote_verdicts_and_guesses_are_the_embedded_engines(openai_server, clo
                 prompt = eng.chat_tokens(q)
                 h = eng.open(prompt, SamplingParams())
                 r = eng.verify(h, drafts, check, bonus, tol)
-                assert (r.accepted, r.token) == expected, (mode, check, tol, bonus, r)
+                # the same verdict, or one that departs at a near-tie (within the check's tolerance)
+                served, want_served = drafts[: r.accepted] + [r.token], drafts[: expected[0]] + [expected[1]]
+                assert agree_up_to_a_tie(cloud_info, q, served, want_served, tol + 0.5), (mode, check, tol, r, expected)
                 assert eng.history(h) == prompt + drafts[: r.accepted] + ([r.token] if r.token >= 0 else [])
                 work = eng.take_work(h)
                 assert work.engine_requests >= 1 and work.passes >= 1 and work.verify_tokens >= 1
@@ -245,11 +248,14 @@ def test_remote_verdicts_and_guesses_are_the_embedded_engines(openai_server, clo
             if mode == "generate":
                 h = eng.open(eng.chat_tokens(q), SamplingParams())
                 eng.expect_guess(h, True)  # the device's lookahead: one request brings the token and the guess
-                assert eng.generate(h).token == first
+                tok = eng.generate(h).token
+                ref = follow_reference(cloud_info, q, [first, local_guess.token], [tok])
                 g = eng.guess(h)
-                assert g.token == local_guess.token and g.top_ids[:3] == local_guess.top_ids[:3]
+                assert agree_up_to_a_tie(cloud_info, q, [tok, g.token], ref), (tok, g, ref)
+                if [tok, g.token] == [first, local_guess.token]:  # the runners-up too, up to a tie among them
+                    assert len(set(g.top_ids[:3]) & set(local_guess.top_ids[:3])) >= 2, (g, local_guess)
                 second = eng.generate(h)  # writes the announced guess, without a request
-                assert second.token == local_guess.token
+                assert second.token == g.token
                 w = eng.take_work(h)
                 n_prompt = len(eng.history(h)) - 2
                 assert (w.engine_requests, w.passes, w.generate_tokens, w.guess_tokens) == (1, 2, n_prompt, 1), w
@@ -362,7 +368,8 @@ def test_vllm_prompt_logprobs_and_top_lists_are_read_by_token_id(cloud_info):
 
 
 def test_cloud_server_serves_every_message_through_the_remote_engine(remote_cloud, cloud_info):
-    """accept lists the probed capabilities (protocol v2); tokens as the model alone writes them;
+    """accept lists the probed capabilities (protocol v2); tokens as the model alone writes them
+    (up to a near-tie, which the server's batched kernels may break the other way);
     a lookahead `next` carries a real guess that a generate there writes; verify judges drafts;
     every reply reports the engine's work; an empty history is a named error; a v1 device is
     still accepted."""
@@ -385,15 +392,18 @@ def test_cloud_server_serves_every_message_through_the_remote_engine(remote_clou
             work += m.engine_requests
             if m.final:
                 break
-        assert got == ref[:4] and work >= 4
+        assert len(got) == 4 and work >= 4
+        ref = follow_reference(cloud_info, chat(WIFI), ref, got)  # the model's tokens, up to a near-tie
         n = acc.n_prompt + len(got)
 
         ws.send(encode(Generate(request_id=2, position=n, tokens=[], lookahead=True)))
         tok = decode(ws.recv(timeout=30))
-        assert isinstance(tok, Tokens) and tok.ids == ref[4:5] and tok.passes >= 2 and tok.guess_tokens == 1
+        assert isinstance(tok, Tokens) and len(tok.ids) == 1 and tok.passes >= 2 and tok.guess_tokens == 1
+        ref = follow_reference(cloud_info, chat(WIFI), ref, got + tok.ids)
         nxt = decode(ws.recv(timeout=30))  # it came with the token: no request of its own
         assert isinstance(nxt, Next) and nxt.request_id == 2 and nxt.position == n + 1
-        assert nxt.token == ref[5] and len(nxt.top_ids) == 8 and nxt.engine_requests == 0
+        assert len(nxt.top_ids) == 8 and nxt.engine_requests == 0
+        ref = follow_reference(cloud_info, chat(WIFI), ref, got + tok.ids + [nxt.token])
         ws.send(encode(Generate(request_id=3, position=n + 1, tokens=[])))  # writes the guess, no request
         tok = decode(ws.recv(timeout=30))
         assert isinstance(tok, Tokens) and tok.ids == [nxt.token] and tok.engine_requests == 0
@@ -401,7 +411,9 @@ def test_cloud_server_serves_every_message_through_the_remote_engine(remote_clou
         n += 2
         ws.send(encode(Verify(request_id=4, position=n, tokens=ref[6:9], check=[0, 1, 2], bonus=True)))
         v = decode(ws.recv(timeout=30))
-        assert isinstance(v, Verdict) and v.accepted == 3 and v.token == ref[9] and v.verify_tokens >= 3
+        assert isinstance(v, Verdict) and v.token >= 0 and v.verify_tokens >= 3
+        # the reference's own drafts pass, and the bonus is its next token (a near-tie may break either way)
+        follow_reference(cloud_info, chat(WIFI), ref, ref[: 6 + v.accepted] + [v.token])
 
         ws.send(encode(Rollback(position=0)))
         ws.send(encode(Generate(request_id=5, position=0, tokens=[])))
@@ -422,25 +434,36 @@ def test_cloud_server_serves_every_message_through_the_remote_engine(remote_clou
 def test_ask_with_every_default_through_the_remote_engine(remote_cloud):
     """The command of issue 15: `tokenrouter-edge ask ... --cloud ws://... --json`, every default
     (lookahead, --check after-first-clause, 30% cloud tokens, the 2 s cloud timeout): cloud tokens,
-    a guess and checks, not degraded; the mode and the work are reported."""
+    a guess and checks, not degraded; the mode and the work are reported.
+
+    The guess is asked only after a cloud token in the first clause, and whether the router flags
+    one there depends on the CPU's kernels (on one Zen 3 VM the WIFI answer's first clause had
+    none), so the questions go on until an answer has one."""
     env = dict(os.environ, TOKENROUTER_API_KEY=remote_cloud.api_key, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "edge_client.cli", "ask", WIFI, "--cloud", remote_cloud.url, "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    a = json.loads(out.stdout)
-    assert not a["degraded"], a
-    assert a["cloud_capabilities"] == ["generate", "guess", "verify"]
-    assert a["cloud_mode"] == a["cloud_mode_asked"] == "per-token+guess+check"
-    w = a["cloud_work"]
-    assert a["n_cloud_tokens"] > 0 and a["round_trips"] > 0 and a["lookahead_positions"], a
-    assert w["verify_tokens"] > 0 and w["guess_tokens"] > 0 and w["engine_requests"] > 0 and w["passes"] > 0, w
-    assert a["traffic"]["passes"] == w["passes"]
+    guessed = []
+    for q in (WIFI, "explain how vaccines work", "tell me a fun fact about octopuses"):
+        out = subprocess.run(
+            [sys.executable, "-m", "edge_client.cli", "ask", q, "--cloud", remote_cloud.url, "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        a = json.loads(out.stdout)
+        assert not a["degraded"], a
+        assert a["cloud_capabilities"] == ["generate", "guess", "verify"]
+        assert a["cloud_mode"] == a["cloud_mode_asked"] == "per-token+guess+check"
+        w = a["cloud_work"]
+        assert a["n_cloud_tokens"] > 0 and a["round_trips"] > 0, a
+        assert w["verify_tokens"] > 0 and w["engine_requests"] > 0 and w["passes"] > 0, w
+        assert a["traffic"]["passes"] == w["passes"]
+        assert not a["lookahead_positions"] or w["guess_tokens"] > 0, (a["lookahead_positions"], w)
+        guessed.append(bool(a["lookahead_positions"]))
+        if guessed[-1]:
+            break
+    assert any(guessed), "no answer had a cloud token in its first clause, so no guess was asked"
 
 
 def test_check_all_through_the_remote_engine(remote_cloud, edge):

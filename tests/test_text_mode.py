@@ -58,7 +58,13 @@ from shared.text_history import (
     starts_word,
 )
 from tests.conftest import ROOT, chat
-from tests.helpers import agree_up_to_a_tie, make_generator, reference_greedy, teacher_forced_logits
+from tests.helpers import (
+    agree_up_to_a_tie,
+    make_generator,
+    reference_greedy,
+    teacher_forced_logits,
+    text_agrees_up_to_a_tie,
+)
 
 GEMMA = "gemma3-270m"
 
@@ -483,7 +489,8 @@ def test_mixed_pair_routes_with_the_clouds_text(edge_model, edge_info, gemma_ser
 def test_the_cloud_base_models_answer_ends_before_the_next_transcript_line(edge_model, gemma_server, gemma_info):
     """Gemma-3 base, run alone, goes on with the transcript ("\\nUser: ..."). Through the cloud
     server (text mode) its answer ends before that line: with policy `cloud` the answer is its own
-    text up to there and then the device's end-of-turn; routed, no answer holds the marker."""
+    text up to there (up to a near-tie the server's kernels may break the other way) and then the
+    device's end-of-turn; routed, no answer holds the marker."""
     stop = b"\nUser:"
     cloud_gen = make_generator(edge_model, gemma_server, mode="cloud", timeout_s=10.0)
     gen = make_generator(edge_model, gemma_server, threshold=0.2, timeout_s=10.0)
@@ -491,11 +498,15 @@ def test_the_cloud_base_models_answer_ends_before_the_next_transcript_line(edge_
     try:
         ended = 0
         for q in ("set a timer for ten minutes", "what is the capital of france", "how do i reset my wifi router"):
-            alone = b"".join(gemma.token_bytes(t) for t in reference_greedy(gemma_info, chat(q), 48))[1:]
+            own = reference_greedy(gemma_info, chat(q), 48)
+            spelt = b"".join(gemma.token_bytes(t) for t in own)
+            alone = spelt[1:]  # Gemma's first token brings a space the answer text drops
             c = cloud_gen.generate(chat(q), max_tokens=64)
             if stop in alone:
                 ended += 1
-                assert c.text.encode() == alone[: alone.index(stop)], (c.text, alone)
+                got = c.text.encode()
+                if got != alone[: alone.index(stop)]:  # only where the server's kernels broke a near-tie
+                    assert text_agrees_up_to_a_tie(gemma_info, gemma, chat(q), own, spelt[:1] + got), (got, alone)
                 assert edge_model.is_eog(c.tokens[-1]), "the answer ended"
             r = gen.generate(chat(q), max_tokens=48)
             assert r.n_cloud_tokens > 0 and "User:" not in r.text and "User:" not in c.text, (r.text, c.text)

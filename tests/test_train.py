@@ -24,8 +24,8 @@ from models.train.shards import ShardError, load_records
 from shared.learned_router import LearnedRouter, LogitFeaturizer, RouterFile, load_router
 from shared.llama_backend import LlamaModel
 from shared.router import HeuristicRouter
-from tests.conftest import SYSTEM
-from tests.helpers import reference_greedy
+from tests.conftest import SYSTEM, chat
+from tests.helpers import is_greedy_choice, reference_greedy, teacher_forced_logits
 
 PROMPTS = [
     "what is the capital of france",
@@ -54,6 +54,34 @@ def router_file(labelled, tmp_path_factory):
         FitOptions(train=[str(labelled)], out=out, label="mismatch", epochs=4, patience=4, hidden_units=16, buckets=64)
     )
     return out, report
+
+
+def test_label_follows_recorded_answers(tmp_path, edge_info):
+    """With recorded answers both models read those tokens, not the cloud's greedy ones: a prompt
+    gets exactly its answer's positions (the last one an end of turn or not), the cloud's own
+    token is still what each label compares with, and an answer count that does not match the
+    prompts is a named error."""
+    edge_answer = reference_greedy(edge_info, chat(PROMPTS[0]), 9)  # the edge's path: the cloud disagrees somewhere
+    answers = [edge_answer, [edge_answer[0]]]
+    label(
+        PROMPTS[:2],
+        LabelOptions(
+            DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path, max_tokens=14, threads=1, progress=False, answers=answers
+        ),
+    )
+    rec = load_records([tmp_path])
+    for k, answer in enumerate(answers):
+        sel = rec["prompt_id"] == k
+        assert rec["position"][sel].tolist() == list(range(len(answer)))
+    first = rec["prompt_id"] == 0
+    # the edge read its own answer, so it proposes it (batched here, so up to a near-tie)
+    logits = teacher_forced_logits(edge_info, chat(PROMPTS[0]), edge_answer)
+    proposed = rec["proposed"][first].tolist()
+    assert all(p == e or is_greedy_choice(g, p) for p, e, g in zip(proposed, edge_answer, logits)), proposed
+    assert np.array_equal(rec["mismatch"].astype(bool), rec["proposed"] != rec["cloud_token"])
+    assert rec["mismatch"][first].any(), "the cloud's token, not the recorded one, is the label's"
+    with pytest.raises(ValueError, match="one answer per prompt"):
+        label(PROMPTS[:2], LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path / "x", answers=answers[:1]))
 
 
 def test_label_writes_consistent_resumable_shards(labelled):
@@ -268,14 +296,18 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
 
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")
 def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
-    """Re-label the shipped router's check prompts and score them: the recorded figures must hold.
+    """Re-label the shipped router's check prompts along their recorded answers and score them:
+    the recorded figures must hold.
 
-    Another CPU or llama.cpp kernel can flip one near-tie position of a prompt (one more or one
-    less mismatch), which moves that prompt's mean score by at most 1/n_positions: the tolerance
-    allows that one position and 0.01 of rounding on top."""
+    Both models read the recorded answer (the cloud's greedy answer where it was recorded), so
+    the positions are the same on any CPU. Another CPU or llama.cpp kernel can still flip one
+    near-tie of either model's argmax (one more or one less mismatch), which moves that prompt's
+    mean score by at most 1/n_positions: the tolerance allows that one position and 0.01 of
+    rounding on top."""
     router = load_router(DEFAULT_ROUTER, edge_info)
     check = router.meta["check"]
     prompts = [c["prompt"] for c in check["prompts"]]
+    assert all(len(c["answer"]) == c["n_positions"] for c in check["prompts"]), "the answers are recorded"
     label(
         prompts,
         LabelOptions(
@@ -286,6 +318,7 @@ def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
             prompts_per_shard=len(prompts),
             threads=1,
             progress=False,
+            answers=[c["answer"] for c in check["prompts"]],
         ),
     )
     rec = load_records([tmp_path])

@@ -250,20 +250,27 @@ def evaluate_scores(scores: np.ndarray, rec: Records, label: str, regret_nats: f
 
 
 def _check_block(rec: Records, scores: np.ndarray, n_prompts: int = 3) -> dict[str, Any]:
-    """Per-prompt figures for the first validation prompts, so a test can re-label them and compare."""
+    """Per-prompt figures for the first validation prompts, so a test can re-label them and compare.
+
+    On the cloud's path of one vocabulary each prompt's answer (the cloud's tokens) is recorded
+    too, so the re-labelling can follow it (`LabelOptions.answers`) rather than the cloud's
+    greedy answer on another CPU, which a near-tie can send elsewhere."""
     prompts = rec.meta.get("prompts", [])[:n_prompts]
     first = int(rec.meta.get("first_prompt_id", 0))
+    cloud_path = rec.meta.get("path", "cloud") == "cloud" and "label_space" not in rec.meta
     out = []
     for k, text in enumerate(prompts):
         sel = rec["prompt_id"] == first + k
-        out.append(
-            {
-                "prompt": text,
-                "n_positions": int(sel.sum()),
-                "n_mismatch": int(rec["mismatch"][sel].sum()),
-                "mean_score": round(float(scores[sel].mean()), 5) if sel.any() else None,
-            }
-        )
+        block: dict[str, Any] = {
+            "prompt": text,
+            "n_positions": int(sel.sum()),
+            "n_mismatch": int(rec["mismatch"][sel].sum()),
+            "mean_score": round(float(scores[sel].mean()), 5) if sel.any() else None,
+        }
+        if cloud_path:
+            order = np.argsort(rec["position"][sel], kind="stable")
+            block["answer"] = [int(t) for t in rec["cloud_token"][sel][order]]
+        out.append(block)
     return {"prompts": out, "max_tokens": rec.meta.get("max_tokens"), "system_prompt": rec.meta.get("system_prompt")}
 
 

@@ -30,6 +30,14 @@ cycles over prompts), and every position visited is labelled the same way
 needs the cloud's own continuation as reference, which a routed path does not
 have, so those rows carry -1 (unknown), like live flywheel rows.
 
+Recorded answers (`answers`, one token list per prompt): both models read those
+tokens instead of the cloud's greedy ones, so a re-labelling visits the same
+positions as the recording did. A router file records its check prompts'
+answers for that: llama.cpp's kernels differ between CPUs, and a near-tie the
+cloud breaks the other way would send its greedy answer elsewhere (one prompt
+went from 27 positions to 12 on a Zen 3 VM). The labels still compare the
+edge's token with the cloud's argmax at each position.
+
 A mixed pair (the two models' tokenizers differ): the answer is shared as text,
 so the labels are the cloud model's NLL of the text at each device position
 (text_label.py, the one module for that rule), in the same shard columns; the
@@ -78,6 +86,7 @@ class LabelOptions:
     progress: bool = True
     route_with: Path | None = None  # a router file: label the paths it routes (see the module docstring)
     route_fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)
+    answers: list[list[int]] | None = None  # one recorded answer per prompt: follow it (see the module docstring)
 
 
 def chat(model: LlamaModel, system: str, prompt: str) -> list[int]:
@@ -109,6 +118,8 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     mixed = edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint
     if mixed and opts.route_with is not None:
         raise ValueError("--routed-by needs one vocabulary; a mixed pair is labelled along the cloud's path only")
+    if opts.answers is not None and (mixed or opts.route_with is not None or len(opts.answers) != len(prompts)):
+        raise ValueError("recorded answers need one vocabulary, the cloud's path and one answer per prompt")
     router, routed_by = None, None
     if opts.route_with is not None:
         router = load_router(opts.route_with, edge_info)
@@ -154,7 +165,8 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         for i in todo:
             chunk = prompts[i * per : (i + 1) * per]
             t0 = time.perf_counter()
-            rows = _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts, router)
+            forced = None if opts.answers is None else opts.answers[i * per : (i + 1) * per]
+            rows = _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts, router, forced)
             write_shard(paths[i], make_records(rows, dict(meta, prompts=chunk, first_prompt_id=i * per)))
             log.debug("shard %d: %d positions in %.1fs", i, len(rows["proposed"]), time.perf_counter() - t0)
             if bar is not None:
@@ -211,9 +223,11 @@ def _label_batch(
     first_id: int,
     opts: LabelOptions,
     router: LearnedRouter | None = None,
+    forced: list[list[int]] | None = None,
 ) -> dict[str, list]:
     """Label one batch of prompts. Without a router the cloud's token is appended at every step
-    (the cloud's path); with one, the token the router would let through (the routed path)."""
+    (the cloud's path); with one, the token the router would let through (the routed path);
+    with `forced` answers, theirs (a recorded path)."""
     featurize = LogitFeaturizer(stepper.edge.n_vocab)
     thresholds = (
         [
@@ -261,8 +275,10 @@ def _label_batch(
                 feats = rows["logit_feats"][-1]
                 token = c if router.score_features(v.edge_hidden, feats, e) >= thresholds[v.seq] else e
                 rows["divergent"][-1] = -1  # no cloud reference continuation on a routed path
+            if forced is not None:
+                token = forced[v.seq][step]
             answers[v.seq].append(token)
-            if not stepper.cloud.is_eog(token):
+            if not stepper.cloud.is_eog(token) and (forced is None or step + 1 < len(forced[v.seq])):
                 chosen[v.seq] = token
         if not chosen:
             break
