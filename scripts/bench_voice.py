@@ -245,6 +245,7 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "tts_cache_max_words": vopts.tts.cache_max_words,
             "stop_delay_ms": vopts.vad.stop_delay_ms,
             "asr_threads": vopts.asr.cpu_threads,
+            "partial_interval_ms": vopts.asr.partial_interval_ms,
             "blas_threads": vopts.blas_threads,
         },
         "eos_to_first_audio_ms": {
@@ -285,12 +286,13 @@ def offline_transcript(tx: Transcriber, audio: np.ndarray) -> str:
     return " ".join(s.text.strip() for s in segs).strip()
 
 
-def query_voice(args: argparse.Namespace, default: Synthesizer | None = None) -> Synthesizer:
-    """The voice that speaks the queries: Piper sampling its prosody (`default`, else a new one), or with
-    `--same-speech` without sampling, so that the audio is the same in every run."""
+def query_voice(args: argparse.Namespace) -> Synthesizer:
+    """The voice that speaks the queries: Piper sampling its prosody, or with `--same-speech` without
+    sampling, so that the audio is the same in every run. A synthesiser of its own without a cache: the
+    queries never fill the cache of a synthesiser that speaks the replies."""
     if args.same_speech:
-        return Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False))
-    return default or Synthesizer()
+        return Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False, cache_max_words=0))
+    return Synthesizer(TtsOptions(warm_openers=False, cache_max_words=0))
 
 
 def recognition(args: argparse.Namespace, data: dict) -> None:
@@ -530,12 +532,14 @@ def main() -> None:
     first = configs[0][1]
     with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=first.max_tokens, seed=0)) as gen:
         eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
-        # a config with other synthesiser options (its session, its cache) or recogniser options gets its own
-        synths = {name: eng.synth if v.tts == first.tts else Synthesizer(v.tts) for name, v, _ in configs}
+        # Every config has a synthesiser of its own, so its own cache of short pieces: with one shared, the
+        # config that spoke a query's reply second found its first piece cached (~80 ms sooner). A config with
+        # other recogniser options gets its own recogniser (a recogniser keeps nothing between decodes).
+        synths = {name: eng.synth if name == configs[0][0] else Synthesizer(v.tts) for name, v, _ in configs}
         recognisers = {name: eng.transcriber if v.asr == first.asr else Transcriber(v.asr) for name, v, _ in configs}
         for tx in recognisers.values():
             tx.recognize(np.zeros(16000, np.float32), final=True)  # warm-up, as Engines does
-        speaker = query_voice(args, default=eng.synth)
+        speaker = query_voice(args)
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
             if pauses:

@@ -187,7 +187,8 @@ def test_remote_engine_writes_the_same_greedy_tokens_as_the_model_alone(openai_s
             out.append(token)
             if eng.is_eog(token):
                 break
-        assert out == ref[: len(out)], (eng.model.detokenize(out), eng.model.detokenize(ref))
+        # the same tokens, up to a near-tie the server's batched kernels may break the other way
+        assert agree_up_to_a_tie(cloud_info, q, out, ref[: len(out)]), (eng.model.detokenize(out), ref)
         assert "Paris" in eng.model.detokenize(out)
     finally:
         eng.close_all()
