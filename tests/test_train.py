@@ -18,10 +18,10 @@ from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from models.train.cli import DEFAULT_ROUTER
 from models.train.cli import main as train_main
 from models.train.features import entropy_scores, targets
-from models.train.fit import FitOptions, fit
+from models.train.fit import FitOptions, _check_block, fit
 from models.train.label import LabelOptions, is_divergent, label
-from models.train.shards import ShardError, load_records
-from shared.learned_router import LearnedRouter, LogitFeaturizer, RouterFile, load_router
+from models.train.shards import ShardError, load_records, make_records
+from shared.learned_router import N_LOGIT_FEATURES, LearnedRouter, LogitFeaturizer, RouterFile, load_router
 from shared.llama_backend import LlamaModel
 from shared.router import HeuristicRouter
 from tests.conftest import SYSTEM, chat
@@ -82,6 +82,32 @@ def test_label_follows_recorded_answers(tmp_path, edge_info):
     assert rec["mismatch"][first].any(), "the cloud's token, not the recorded one, is the label's"
     with pytest.raises(ValueError, match="one answer per prompt"):
         label(PROMPTS[:2], LabelOptions(DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL, tmp_path / "x", answers=answers[:1]))
+
+
+def test_router_check_block_records_each_prompts_answer_in_order():
+    """fit's check block: per prompt its positions, mismatches, mean score and, on the cloud's path,
+    the cloud's answer tokens in position order (what a re-labelling follows); none on a routed path."""
+    pid, pos, cloud = [0, 1, 0, 1, 0], [1, 0, 0, 1, 2], [11, 20, 10, 21, 12]
+    n = len(pid)
+    rows = {
+        "hidden": np.zeros((n, 4)),
+        "logit_feats": np.zeros((n, N_LOGIT_FEATURES)),
+        "proposed": [10, 20, 10, 99, 12],
+        "cloud_token": cloud,
+        "position": pos,
+        "prompt_id": pid,
+        "mismatch": [1, 0, 0, 1, 0],
+        "divergent": [0] * n,
+        "regret": [0.0] * n,
+    }
+    meta = {"prompts": ["a", "b"], "first_prompt_id": 0, "max_tokens": 3, "system_prompt": SYSTEM, "path": "cloud"}
+    block = _check_block(make_records(rows, meta), np.array([0.1, 0.2, 0.3, 0.4, 0.5]))
+    a, b = block["prompts"]
+    assert (a["answer"], a["n_positions"], a["n_mismatch"]) == ([10, 11, 12], 3, 1)
+    assert (b["answer"], b["n_positions"], b["n_mismatch"]) == ([20, 21], 2, 1)
+    assert a["mean_score"] == pytest.approx(0.3) and block["max_tokens"] == 3
+    routed = _check_block(make_records(rows, dict(meta, path="routed")), np.zeros(n))
+    assert all("answer" not in c for c in routed["prompts"])
 
 
 def test_label_writes_consistent_resumable_shards(labelled):
