@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import llama_cpp as lc
 import numpy as np
@@ -106,6 +106,7 @@ class LlamaModel:
         self._piece = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
         self._template = self._load_template()
+        self._formatters: dict[bool, Any] = {}  # compiled chat templates, by add_generation_prompt
 
     # ----------------------------------------------------------------- text <-> tokens
 
@@ -151,16 +152,22 @@ class LlamaModel:
         return raw.decode() if raw else None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the GGUF's own Jinja template (plain text if it has none)."""
+        """Render chat messages with the GGUF's own Jinja template (plain text if it has none).
+
+        The template is compiled once per model: compiling it took ~3 ms a call, and every answer
+        renders its prompt before its first token (as does every partial transcript's prefill)."""
         if self._template is None:
             lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nAssistant:" if add_generation_prompt else "")
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        formatter = self._formatters.get(add_generation_prompt)
+        if formatter is None:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        bos = self.token_bytes(self.bos).decode(errors="replace") if self.bos >= 0 else ""
-        formatter = Jinja2ChatFormatter(
-            self._template, eos_token="", bos_token=bos, add_generation_prompt=add_generation_prompt
-        )
+            bos = self.token_bytes(self.bos).decode(errors="replace") if self.bos >= 0 else ""
+            formatter = Jinja2ChatFormatter(
+                self._template, eos_token="", bos_token=bos, add_generation_prompt=add_generation_prompt
+            )
+            self._formatters[add_generation_prompt] = formatter
         return formatter(messages=messages).prompt
 
     def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 from models.registry import DERIVED_SHA256, ModelNotFoundError, model_info, resolve_path, sha256_file
 from shared import routing_log
 from shared.gguf import GGUFError, read_header
+from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy, ScoreCalibrator, replay_decisions
 
 
@@ -109,3 +110,19 @@ def test_context_greedy_matches_token_by_token_reference(cloud_info):
     finally:
         ctx.close()
         model.close()
+
+
+def test_the_chat_template_renders_every_dialogue_and_both_prompt_kinds(edge_info):
+    """The compiled template is kept per model and per kind of prompt: each render still follows its
+    own messages, and a prompt without the generation tail is a prefix of the one with it."""
+    m = LlamaModel(edge_info, vocab_only=True)
+    try:
+        a = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what time is it"}]
+        b = [*a, {"role": "assistant", "content": "Noon."}, {"role": "user", "content": "and in Tokyo"}]
+        with_tail, without = m.render_chat(a), m.render_chat(a, add_generation_prompt=False)
+        assert with_tail.startswith(without) and with_tail.endswith("<|im_start|>assistant\n")
+        assert "what time is it" in with_tail and "Tokyo" not in with_tail
+        assert "Tokyo" in m.render_chat(b) and m.render_chat(a) == with_tail
+        assert m.render_chat(b, add_generation_prompt=False).endswith("and in Tokyo<|im_end|>\n")
+    finally:
+        m.close()
