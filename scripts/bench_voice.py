@@ -63,7 +63,7 @@ from edge_client.generator import open_generator  # noqa: E402
 from edge_client.options import DEFAULT_CHECK, GeneratorOptions  # noqa: E402
 from edge_client.voice.asr import AsrOptions, Transcriber  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
-from edge_client.voice.endofturn import JUDGE_AT, TurnOptions  # noqa: E402
+from edge_client.voice.endofturn import JUDGE_AT, TurnDecision, TurnOptions  # noqa: E402
 from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
 from edge_client.voice.tts import Synthesizer, TtsOptions  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
@@ -231,6 +231,11 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
     stages = {
         k: pct([r["timings_ms"][k] for r in rows if r["timings_ms"][k] is not None], 50) for k in rows[0]["timings_ms"]
     }
+    by_judge: dict[str, list[float]] = {}  # the p50 falls between these clusters: report each
+    for r in rows:
+        if r["endpoint_to_first_audio_ms"] is not None and r.get("end_of_turn") is not None:
+            judge = TurnDecision(**r["end_of_turn"]).judged_by
+            by_judge.setdefault(judge, []).append(r["endpoint_to_first_audio_ms"])
     return {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "n": len(rows),
@@ -257,6 +262,7 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "p50": pct(ep2a, 50),
             "p95": pct(ep2a, 95),
             "under_150_pct": 100 * np.mean(np.array(ep2a) < 150),
+            "by_judge": {k: {"n": len(v), "p50": pct(v, 50)} for k, v in sorted(by_judge.items())},
         },
         "stage_p50_ms_after_speech_end": stages,
         "playback_gaps": {

@@ -644,8 +644,9 @@ def test_a_transcript_that_closes_itself_with_whisper_sure_ends_the_turn_without
     """Smart Turn doubts the real end of hesitant speech ("...in, um, San Antonio?" p 0.02), which made paused
     questions wait up to 1.2 s; a transcript ending on "?" with Whisper's last word >= sure_end_prob decides
     alone (short wait, Smart Turn not asked). A full stop (a complete clause at a comma pause), an unsure,
-    unpunctuated or mid-phrase ending still needs the rest."""
-    from edge_client.voice.endofturn import EndOfTurn, TurnOptions
+    unpunctuated or mid-phrase ending still needs the rest. The decision says which judged it (also when
+    read back from a turn's JSON, as the benchmark does)."""
+    from edge_client.voice.endofturn import EndOfTurn, TurnDecision, TurnOptions
 
     opts = TurnOptions(min_wait_ms=200, max_wait_ms=1200, threshold=0.5, sure_end_prob=0.95)
     eot = EndOfTurn(opts, model=object())
@@ -654,6 +655,12 @@ def test_a_transcript_that_closes_itself_with_whisper_sure_ends_the_turn_without
     eot.judge_text(d, q, 0.991)
     assert d.text_sure_end and eot.wait_ms(d, 250, text_known=True) == 200 and d.finished is True
     assert d.probability is None and "not asked" in d.summary() and "closed itself" in d.summary()
+    assert d.judged_by == "transcript" and TurnDecision(**d.to_json()).judged_by == "transcript"
+    asked = eot.new_decision()
+    asked.probability = 0.8
+    eot.judge_text(asked, "I want to report a stolen card.", 0.99)  # a full stop: Smart Turn decides
+    assert eot.wait_ms(asked, 250, text_known=True) == 200 and asked.judged_by == "smart-turn"
+    assert EndOfTurn(TurnOptions(mode="silence"), model=None).new_decision().judged_by == "silence"
     comma_clause = "I'm not sure if watermelon is on my shopping list."  # "..., but if it isn't, ..."
     cases = [(q, 0.9), (comma_clause, 0.999), ("Play", 0.999), ("Play,", 0.999), ("Set a timer for?", 0.999), (q, None)]
     for text, p_word in cases:

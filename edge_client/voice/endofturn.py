@@ -253,6 +253,14 @@ class TurnDecision:
         question Whisper closed and is sure of (the short one)."""
         return bool(self.text_unfinished or self.text_sure_end)
 
+    @property
+    def judged_by(self) -> str:
+        """What set the wait: "transcript" (it decided alone), "smart-turn", or the silence mode. The
+        reply's readiness differs by far between the first two (docs/voice.md, Benchmark)."""
+        if self.mode != "smart":
+            return self.mode
+        return "transcript" if self.text_decides else "smart-turn"
+
     def summary(self) -> str:
         if self.mode != "smart":
             return f"end of turn: {self.mode} ({self.wait_ms} ms)" + (f" - {self.note}" if self.note else "")
