@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from typing import Iterator
 
@@ -17,6 +21,7 @@ from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.model_info import ModelInfo
 from shared.policy import RoutingPolicy
 from shared.router import HeuristicRouter, Router
+from tests.conftest import ROOT
 
 
 def make_generator(
@@ -128,8 +133,14 @@ def agree_up_to_a_tie(info: ModelInfo, messages: list[dict], a: list[int], b: li
         return True
     if i >= min(len(a), len(b)):
         return False
-    logits = teacher_forced_logits(info, messages, a[: i + 1])[i]
-    return is_greedy_choice(logits, a[i], tie) and is_greedy_choice(logits, b[i], tie)
+    return both_near_best(info, messages, a[: i + 1], b[i], tie)
+
+
+def both_near_best(info: ModelInfo, messages: list[dict], answer: list[int], other: int, tie: float) -> bool:
+    """At the last position of `answer` the model (run alone, teacher-forced) finds both that
+    position's token and `other` within `tie` nats of its best: a near-tie."""
+    logits = teacher_forced_logits(info, messages, answer)[-1]
+    return is_greedy_choice(logits, answer[-1], tie) and is_greedy_choice(logits, other, tie)
 
 
 def follow_reference(
@@ -167,6 +178,19 @@ def text_agrees_up_to_a_tie(
         if not rest:
             return False  # the text ended inside the answer
         other = model.tokenize(rest.decode("utf-8", errors="replace"), parse_special=False)[0]
-        logits = teacher_forced_logits(info, messages, answer[: i + 1])[i]
-        return is_greedy_choice(logits, token, tie) and is_greedy_choice(logits, other, tie)
+        return both_near_best(info, messages, answer[: i + 1], other, tie)
     return text == done
+
+
+def ask_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    """`tokenrouter-edge ask ... --json` as a user runs it (a child process): its answer object."""
+    out = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "ask", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)

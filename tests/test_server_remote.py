@@ -57,7 +57,7 @@ from shared.protocol import (
 )
 from shared.sampling import NO_GUESS
 from tests.conftest import chat
-from tests.helpers import agree_up_to_a_tie, follow_reference, reference_greedy
+from tests.helpers import agree_up_to_a_tie, ask_json, follow_reference, reference_greedy
 from tests.test_server_engine import assert_implements
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -440,19 +440,9 @@ def test_ask_with_every_default_through_the_remote_engine(remote_cloud):
     The guess is asked only after a cloud token in the first clause, and whether the router flags
     one there depends on the CPU's kernels (on one Zen 3 VM the WIFI answer's first clause had
     none), so the questions go on until an answer has one."""
-    env = dict(os.environ, TOKENROUTER_API_KEY=remote_cloud.api_key, PYTHONPATH=str(ROOT))
     guessed = []
     for q in (WIFI, "explain how vaccines work", "tell me a fun fact about octopuses"):
-        out = subprocess.run(
-            [sys.executable, "-m", "edge_client.cli", "ask", q, "--cloud", remote_cloud.url, "--json"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-            cwd=ROOT,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        a = json.loads(out.stdout)
+        a = ask_json(q, "--cloud", remote_cloud.url, env={"TOKENROUTER_API_KEY": remote_cloud.api_key})
         assert not a["degraded"], a
         assert a["cloud_capabilities"] == ["generate", "guess", "verify"]
         assert a["cloud_mode"] == a["cloud_mode_asked"] == "per-token+guess+check"

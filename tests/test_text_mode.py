@@ -8,9 +8,6 @@ cloud) routes with the cloud's text, rollbacks across token boundaries, and a lo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -57,9 +54,10 @@ from shared.text_history import (
     span_done,
     starts_word,
 )
-from tests.conftest import ROOT, chat
+from tests.conftest import chat
 from tests.helpers import (
     agree_up_to_a_tie,
+    ask_json,
     make_generator,
     reference_greedy,
     teacher_forced_logits,
@@ -583,32 +581,17 @@ def test_mixed_pair_falls_back_to_the_device_when_the_cloud_is_lost(edge_model, 
 
 def test_cli_ask_with_the_mixed_pair():
     """The command of issue 19: routes with cloud text present, no refusal, the mode in the JSON."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "edge_client.cli",
-            "ask",
-            "explain how vaccines work",
-            "--edge-model",
-            "smollm2-135m-q3_k_s",
-            "--cloud-model",
-            GEMMA,
-            "--cloud",
-            "local",
-            "--json",
-            "--max-tokens",
-            "48",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=ROOT,
+    a = ask_json(
+        "explain how vaccines work",
+        "--edge-model",
+        "smollm2-135m-q3_k_s",
+        "--cloud-model",
+        GEMMA,
+        "--cloud",
+        "local",
+        "--max-tokens",
+        "48",
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    a = json.loads(out.stdout)
     assert a["shared_history"] == "text" and not a["degraded"] and a["n_cloud_tokens"] > 0
     assert a["cloud_capabilities"] == ["generate", "guess", "verify"] and a["cloud_mode"] == "per-token+guess+check"
     assert a["cloud_model_name"] == GEMMA
