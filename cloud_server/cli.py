@@ -13,6 +13,7 @@ from cloud_server.config import READY_LINE, ServerConfig
 from cloud_server.logs import setup_logging
 from cloud_server.remote_engine import VERIFY_MODES
 from models.registry import DEFAULT_CLOUD_MODEL, ModelNotFoundError
+from shared.cpus import pin_to_cpus
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=16)
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument(
+        "--cpus",
+        metavar="LIST",
+        help="run on these CPUs only, as taskset -c names them (0,2-3; Linux): e.g. a loopback server kept off "
+        "the cores a device benchmark uses",
+    )
     s.add_argument("--log-level", default="warning")
     s.add_argument(
         "--record-dir",
@@ -135,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
         print(digest(args.key))
         return
     setup_logging(args.log_level, args.log_format)
+    if args.cpus:
+        try:
+            pin_to_cpus(args.cpus)  # before the model loads: its threads inherit the affinity
+        except ValueError as exc:
+            sys.exit(f"tokenrouter-cloud: --cpus: {exc}")
     config = ServerConfig(
         model=args.model,
         api_keys=load_keys(args.api_keys),

@@ -28,8 +28,12 @@ class LocalCloudServer:
         extra_args: list[str] | None = None,
         startup_timeout_s: float = 120.0,
         port: int = 0,
+        cpus: str = "",
     ) -> None:
+        """`cpus`: the CPUs the server runs on ("2,3"; "" = wherever the OS puts it): pinned away from
+        the cores a device benchmark uses, it stands for a cloud on other hardware (shared/cpus.py)."""
         self.model = model
+        self.cpus = cpus
         self.port = port
         self.api_key = api_key or secrets.token_urlsafe(16)
         self.extra_args = extra_args or []
@@ -55,6 +59,8 @@ class LocalCloudServer:
             cmd += ["--model", str(self.model)]
         if "--threads" not in self.extra_args:
             cmd += ["--threads", "1"]  # it shares this machine with the device model
+        if self.cpus:
+            cmd += ["--cpus", self.cpus]
         env = dict(os.environ, TOKENROUTER_API_KEYS=self.api_key, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

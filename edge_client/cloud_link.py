@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 from websockets.exceptions import WebSocketException
@@ -62,6 +62,8 @@ from shared.protocol import (
 )
 from shared.sampling import Guess
 from shared.text_history import TextGuess
+
+ReplyT = TypeVar("ReplyT", Tokens, Verdict, TextReply, TextVerdict)  # a reply that answers a request
 
 
 class CloudUnavailable(ConnectionError):
@@ -250,13 +252,11 @@ class CloudLink:
         since the cloud is still writing). With `lookahead` the cloud then sends
         its guess for the following position: read it with `next_guess`.
         """
-        request_id = self._next_request
-        self._next_request += 1
-        position = self.cloud_len
+        request_id = self._new_request()
         self._send(
             Generate(
                 request_id=request_id,
-                position=position,
+                position=self.cloud_len,
                 tokens=list(pending),
                 proposed=proposed,
                 max_tokens=max_tokens,
@@ -268,22 +268,12 @@ class CloudLink:
         t0 = time.perf_counter()
         out: list[CloudToken] = []
         while True:
-            try:
-                reply = self._recv(self.timeout_s)
-            except CloudTimeout:
-                # Abandon the request: the cloud finishes it, then this rollback undoes its tokens.
-                self.consecutive_timeouts += 1
-                self.rollback(self.cloud_len)
-                raise
-            if self._stale_error(reply, request_id):
-                continue
-            if not isinstance(reply, Tokens) or reply.request_id != request_id:
-                continue  # a stale reply to an abandoned request
+            # a timeout abandons the request: the cloud finishes it, then this rollback undoes its tokens
+            reply = self._reply(request_id, Tokens, undo=lambda: self.rollback(self.cloud_len))
             if reply.position != self.cloud_len:
                 self.close_quietly()
                 raise CloudUnavailable(f"cloud tokens at position {reply.position}, expected {self.cloud_len}")
-            self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
-            self.stats.background_ms += reply.prefill_ms
+            self._count_work(reply)
             for token, logprob in zip(reply.ids, reply.logprobs):
                 tok = CloudToken(token, logprob, eog=reply.eog and token == reply.ids[-1])
                 out.append(tok)
@@ -294,9 +284,7 @@ class CloudLink:
                     return out
             if reply.final:
                 break
-        self.consecutive_timeouts = 0
-        self.stats.round_trips += 1
-        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
+        self._round_trip_done(t0)
         return out
 
     def next_guess(self, timeout_s: float) -> Guess | None:
@@ -335,8 +323,7 @@ class CloudLink:
         verdict's token (if any); `cloud_len` follows. The caller rolls its own
         history back to `cloud_len - (token >= 0)` and appends the token.
         """
-        request_id = self._next_request
-        self._next_request += 1
+        request_id = self._new_request()
         position = self.cloud_len
         self._send(
             Verify(
@@ -350,18 +337,8 @@ class CloudLink:
             )
         )
         t0 = time.perf_counter()
-        while True:
-            try:
-                reply = self._recv(self.timeout_s)
-            except CloudTimeout:
-                # Abandon it, as a slow generate: the cloud finishes the verify, then this rollback undoes it.
-                self.consecutive_timeouts += 1
-                self.rollback(self.cloud_len)
-                raise
-            if self._stale_error(reply, request_id):
-                continue
-            if isinstance(reply, Verdict) and reply.request_id == request_id:
-                break
+        # a timeout abandons it, as a slow generate: the cloud finishes the verify, then this rollback undoes it
+        reply = self._reply(request_id, Verdict, undo=lambda: self.rollback(self.cloud_len))
         if reply.position != position or not 0 <= reply.accepted <= len(tokens):
             self.close_quietly()
             raise CloudUnavailable(
@@ -370,11 +347,8 @@ class CloudLink:
         self.held.extend(tokens[: reply.accepted])
         if reply.token >= 0:
             self.held.append(reply.token)
-        self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
-        self.stats.background_ms += reply.prefill_ms
-        self.stats.round_trips += 1
-        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
-        self.consecutive_timeouts = 0
+        self._count_work(reply)
+        self._round_trip_done(t0)
         return reply
 
     # ---------------------------------------------------------------- text mode (protocol v3)
@@ -404,8 +378,7 @@ class CloudLink:
         cloud tokens, each piece shown to `on_text` as it comes (False: stop listening; the link
         then closes, since the cloud is still writing). `proposed`: the device's token's text.
         `lookahead`: the span comes with the cloud's guess for the next position (`CloudText.guess`)."""
-        request_id = self._next_request
-        self._next_request += 1
+        request_id = self._new_request()
         self._send(
             TextGenerate(
                 request_id=request_id,
@@ -422,22 +395,12 @@ class CloudLink:
         t0 = time.perf_counter()
         out = CloudText(b"", 0, 0.0, False)
         while True:
-            try:
-                reply = self._recv(self.timeout_s)
-            except CloudTimeout:
-                # Abandon it: the cloud finishes the span, then this rollback undoes its text.
-                self.consecutive_timeouts += 1
-                self.text_rollback(len(self.held_text))
-                raise
-            if self._stale_error(reply, request_id):
-                continue
-            if not isinstance(reply, TextReply) or reply.request_id != request_id:
-                continue  # a stale reply to an abandoned request
+            # a timeout abandons it: the cloud finishes the span, then this rollback undoes its text
+            reply = self._reply(request_id, TextReply, undo=lambda: self.text_rollback(len(self.held_text)))
             if reply.byte_position != len(self.held_text):
                 self.close_quietly()
                 raise CloudUnavailable(f"cloud text at byte {reply.byte_position}, expected {len(self.held_text)}")
-            self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
-            self.stats.background_ms += reply.prefill_ms
+            self._count_work(reply)
             piece = CloudText(reply.text.encode("utf-8"), reply.n_tokens, reply.logprob, reply.eog)
             self.held_text += piece.text
             guess = None
@@ -452,9 +415,7 @@ class CloudLink:
                 return out
             if reply.final:
                 break
-        self.consecutive_timeouts = 0
-        self.stats.round_trips += 1
-        self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
+        self._round_trip_done(t0)
         return out
 
     def text_verify(
@@ -471,8 +432,7 @@ class CloudLink:
         draft's included) with the router-`flagged` [start, end) byte ranges of it; `eog`: the
         draft ends the answer. One round trip. Afterwards the cloud holds the kept drafted bytes
         and the verdict's text (`held_text` follows)."""
-        request_id = self._next_request
-        self._next_request += 1
+        request_id = self._new_request()
         position = len(self.held_text)
         self._send(
             TextVerify(
@@ -488,30 +448,50 @@ class CloudLink:
             )
         )
         t0 = time.perf_counter()
-        while True:
-            try:
-                reply = self._recv(self.timeout_s)
-            except CloudTimeout:
-                # Abandon it: the cloud finishes the check, then this rollback undoes what it kept.
-                self.consecutive_timeouts += 1
-                self.text_rollback(position)
-                raise
-            if self._stale_error(reply, request_id):
-                continue
-            if isinstance(reply, TextVerdict) and reply.request_id == request_id:
-                break
+        # a timeout abandons it: the cloud finishes the check, then this rollback undoes what it kept
+        reply = self._reply(request_id, TextVerdict, undo=lambda: self.text_rollback(position))
         if reply.byte_position != position or not 0 <= reply.accepted_bytes <= len(drafted):
             self.close_quietly()
             raise CloudUnavailable(
                 f"text verdict at byte {reply.byte_position} keeping {reply.accepted_bytes} does not match the check"
             )
         self.held_text += drafted[: reply.accepted_bytes] + reply.text.encode("utf-8")
+        self._count_work(reply)
+        self._round_trip_done(t0)
+        return reply
+
+    # ---------------------------------------------------------------- requests
+
+    def _new_request(self) -> int:
+        request_id = self._next_request
+        self._next_request += 1
+        return request_id
+
+    def _reply(self, request_id: int, kind: type[ReplyT], undo: Callable[[], None]) -> ReplyT:
+        """The next `kind` reply to `request_id`; stale replies to abandoned requests are skipped.
+
+        No reply within `timeout_s` abandons the request: `undo` rolls the cloud back to what
+        the device holds (the cloud still finishes the request first), and CloudTimeout is raised."""
+        while True:
+            try:
+                reply = self._recv(self.timeout_s)
+            except CloudTimeout:
+                self.consecutive_timeouts += 1
+                undo()
+                raise
+            if self._stale_error(reply, request_id):
+                continue
+            if isinstance(reply, kind) and reply.request_id == request_id:
+                return reply
+
+    def _count_work(self, reply: Tokens | Verdict | TextReply | TextVerdict) -> None:
         self.stats.cloud_compute_ms += reply.compute_ms + reply.prefill_ms
         self.stats.background_ms += reply.prefill_ms
+
+    def _round_trip_done(self, t0: float) -> None:
+        self.consecutive_timeouts = 0
         self.stats.round_trips += 1
         self.stats.wait_ms += (time.perf_counter() - t0) * 1000.0
-        self.consecutive_timeouts = 0
-        return reply
 
     # ---------------------------------------------------------------- framing
 

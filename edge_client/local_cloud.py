@@ -27,7 +27,7 @@ def loopback_cloud(opts: GeneratorOptions) -> Iterator[Callable[[], CloudLink] |
         key = opts.api_key or os.environ.get("TOKENROUTER_API_KEY", "")
         yield lambda: CloudLink(opts.cloud, key, timeout_s=opts.cloud_timeout_s)
         return
-    with LocalCloudServer(model=opts.cloud_model) as server:
+    with LocalCloudServer(model=opts.cloud_model, cpus=opts.cloud_cpus) as server:
         yield lambda: CloudLink(server.url, server.api_key, timeout_s=opts.cloud_timeout_s)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
+from shared.cpus import parse_cpus
 from shared.decision import RuleOptions
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
@@ -30,6 +31,9 @@ class GeneratorOptions:
     edge_model: str = DEFAULT_EDGE_MODEL
     cloud_model: str = DEFAULT_CLOUD_MODEL  # the model of a `--cloud local` server; names the shipped router
     cloud: str = "local"  # "local" (start a loopback server), "none", or a ws:// URL
+    # The CPUs a `local` server runs on ("2,3"; "" = the device's own): on a machine with cores to spare,
+    # a loopback cloud off the device's cores stands for one on other hardware (bench_voice.py --cloud-cpus)
+    cloud_cpus: str = ""
     api_key: str = ""  # for a remote cloud; default $TOKENROUTER_API_KEY
     policy: str = "router"  # edge | cloud | router
     threshold: float | None = 0.5  # used when cloud_fraction is None
@@ -99,5 +103,9 @@ class GeneratorOptions:
             raise ValueError(f"check_max_draft (--draft-max) must be >= 1, not {self.check_max_draft}")
         if self.span < 1:
             raise ValueError(f"span (--span) must be >= 1, not {self.span}")
+        if self.cloud_cpus:
+            if self.cloud != "local":
+                raise ValueError("cloud_cpus (--cloud-cpus) pins a loopback server: it needs cloud 'local'")
+            parse_cpus(self.cloud_cpus)
         if not 0 <= self.cloud_timeout_s < float("inf"):
             raise ValueError(f"--cloud-timeout must be a number of seconds >= 0, not {self.cloud_timeout_s}")

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from voice_audio import (  # noqa: E402
     pause_query,
+    replay_vad,
     speech_span,
     spoken_wav,
     spoken_wav_with_pauses,
@@ -68,6 +69,7 @@ from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
 from edge_client.voice.tts import Synthesizer, TtsOptions  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
 from edge_client.voice.wavfile import read_wav  # noqa: E402
+from shared.cpus import format_cpus, pin_to_cpus  # noqa: E402
 from shared.decision import CHECK_MODES  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
@@ -170,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--blas-threads", type=int, default=None, help="numpy's BLAS threads (0: the library's default, one per core)"
     )
     ap.add_argument("--draft", action="store_true", help="draft the reply from partial transcripts")
+    ap.add_argument(
+        "--device-cpus",
+        metavar="LIST",
+        help="run the pipeline on these CPUs only (0,1; Linux): with --cloud-cpus on a machine with cores to spare, "
+        "a two-core device and a cloud on other hardware (docs/voice.md)",
+    )
+    ap.add_argument(
+        "--cloud-cpus", metavar="LIST", help="run the loopback cloud server on these CPUs only (2,3; Linux)"
+    )
     ap.add_argument("--partial-interval-ms", type=int, default=None)
     ap.add_argument(
         "--recognition", action="store_true", help="offline vs streaming-final WER only (no language model)"
@@ -362,38 +373,6 @@ def recognition(args: argparse.Namespace, data: dict) -> None:
     print(json.dumps(out["models"], indent=1))
 
 
-def pauses_of(audio: np.ndarray) -> tuple[list[np.ndarray], list[bool], list[dict]]:
-    """The VAD replayed as the pipeline runs it: the utterance's frames, their voiced flags, and each pause
-    (frames up to its first silent frame, its length in ms, whether speech resumed after it)."""
-    from collections import deque
-
-    from edge_client.voice.vad import FRAME, FRAME_S, Endpointer, Ev, SileroVad
-
-    o = VadOptions()
-    vad, ep = SileroVad(), Endpointer(VadOptions(stop_delay_ms=10**6))
-    pre: deque[np.ndarray] = deque(maxlen=max(1, int(o.preroll_ms / 1000 / FRAME_S)))
-    frames: list[np.ndarray] = []
-    voiced: list[bool] = []
-    pauses: list[dict] = []
-    for i in range(len(audio) // FRAME):
-        x = audio[i * FRAME : (i + 1) * FRAME]
-        prob = vad(x)
-        pre.append(x)
-        if ep.state != "idle":
-            frames.append(x)
-            voiced.append(prob >= o.neg_threshold)
-        ev = ep.update(prob, (i + 1) * FRAME_S)
-        if ev is Ev.ONSET:
-            frames, voiced = list(pre), [True] * len(pre)
-        elif ev is Ev.PAUSE:
-            pauses.append({"frames": len(frames), "ms": FRAME_S * 1000, "resumed": False})
-        elif ev is Ev.RESUME:
-            pauses[-1]["resumed"] = True
-        elif ep.state == "pause":
-            pauses[-1]["ms"] += FRAME_S * 1000
-    return frames, voiced, pauses
-
-
 def turn_study(args: argparse.Namespace, data: dict) -> None:
     """The end-of-turn judge replayed offline at every pause of paused and fluent syntheses: the speculative
     final decode (text, Whisper's last-word probability) and Smart Turn 64 ms into the pause, as the pipeline
@@ -419,7 +398,7 @@ def turn_study(args: argparse.Namespace, data: dict) -> None:
         wav = tmp / f"q{i}.wav"
         if (spoken_wav_with_pauses(synth, text, pauses, wav) if pauses else spoken_wav(synth, text, wav)) is None:
             continue
-        frames, voiced, found = pauses_of(read_wav(wav)[0])
+        frames, voiced, found = replay_vad(read_wav(wav)[0], VadOptions())
         judged = []
         for pz in found:
             if pz["resumed"] and pz["ms"] < TurnOptions().min_wait_ms:
@@ -536,7 +515,16 @@ def main() -> None:
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
     tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
     first = configs[0][1]
-    with open_generator(GeneratorOptions(cloud="local", policy="router", max_tokens=first.max_tokens, seed=0)) as gen:
+    gen_opts = GeneratorOptions(
+        cloud="local", cloud_cpus=args.cloud_cpus or "", policy="router", max_tokens=first.max_tokens, seed=0
+    )
+    try:
+        gen_opts.validate()
+        if args.device_cpus:
+            pin_to_cpus(args.device_cpus)  # before any model loads: their threads inherit it
+    except ValueError as exc:
+        ap.error(str(exc))
+    with open_generator(gen_opts) as gen:
         eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
         # Every config has a synthesiser of its own, so its own cache of short pieces: with one shared, the
         # config that spoke a query's reply second found its first piece cached (~80 ms sooner). A config with
@@ -604,7 +592,11 @@ def main() -> None:
                     f"{text!r} -> {obj['transcript']!r}",
                     flush=True,
                 )
-    result: dict = {"command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]), "configs": {}}
+    result: dict = {
+        "command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]),
+        "cpus": {"device": format_cpus(os.sched_getaffinity(0)), "cloud": args.cloud_cpus or "the device's"},
+        "configs": {},
+    }
     for name, vopts, flags in configs:
         fluent = [r for r in rows[name] if r["set"] == "fluent"]
         result["configs"][name] = {

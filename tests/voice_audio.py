@@ -283,15 +283,16 @@ def without_fillers(text: str) -> str:
     return " ".join(w for w in words(text) if w not in FILLERS)
 
 
-def streaming_final(tx, audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int) -> str:
-    """The pipeline's final transcript of `audio` when its last pause ends the turn, replayed frame by frame
-    as VoicePipeline._on_vad_frame does: the pre-roll, then the frames up to the first silent one of the
-    last pause, long pauses shortened; decoded with `tx` (a Transcriber)."""
+def replay_vad(audio: np.ndarray, vad_opts: VadOptions) -> tuple[list[np.ndarray], list[bool], list[dict]]:
+    """The VAD run over `audio` frame by frame as VoicePipeline._on_vad_frame runs it, with no endpoint:
+    the utterance's frames (the pre-roll first), their voiced flags, and each pause (`frames`: the frames
+    up to its first silent one, what the speculative final decode gets; `ms`: its length; `resumed`:
+    speech came again after it)."""
     vad, ep = SileroVad(), Endpointer(VadOptions(**{**vars(vad_opts), "stop_delay_ms": 10**6}))
     preroll: deque[np.ndarray] = deque(maxlen=max(1, int(vad_opts.preroll_ms / 1000 / FRAME_S)))
     frames: list[np.ndarray] = []
     voiced: list[bool] = []
-    spec = None
+    pauses: list[dict] = []
     for i in range(len(audio) // FRAME):
         x = audio[i * FRAME : (i + 1) * FRAME]
         prob = vad(x)
@@ -303,11 +304,21 @@ def streaming_final(tx, audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int
         if ev is Ev.ONSET:
             frames, voiced = list(preroll), [True] * len(preroll)
         elif ev is Ev.PAUSE:
-            spec = len(frames)
+            pauses.append({"frames": len(frames), "ms": FRAME_S * 1000, "resumed": False})
         elif ev is Ev.RESUME:
-            spec = None
-    if spec is None:
+            pauses[-1]["resumed"] = True
+        elif ep.state == "pause":
+            pauses[-1]["ms"] += FRAME_S * 1000
+    return frames, voiced, pauses
+
+
+def streaming_final(tx, audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int) -> str:
+    """The pipeline's final transcript of `audio` when its last pause ends the turn: the frames up to the
+    first silent one of the last pause, long pauses shortened; decoded with `tx` (a Transcriber)."""
+    frames, voiced, pauses = replay_vad(audio, vad_opts)
+    if not pauses or pauses[-1]["resumed"]:
         return ""
+    spec = pauses[-1]["frames"]
     return tx.recognize(
         close_gaps(frames[:spec], voiced[:spec], max(1, int(max_gap_ms / 1000 / FRAME_S))), final=True
     ).text
@@ -316,27 +327,8 @@ def streaming_final(tx, audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int
 def utterance_at_pause(audio: np.ndarray, vad_opts: VadOptions, max_gap_ms: int, min_pause_ms: int = 200) -> np.ndarray:
     """What the pipeline's speculative final decode gets at the first pause of at least `min_pause_ms`: the
     pre-roll and the frames up to that pause's first silent frame, long pauses before it shortened."""
-    vad, ep = SileroVad(), Endpointer(VadOptions(**{**vars(vad_opts), "stop_delay_ms": 10**6}))
-    preroll: deque[np.ndarray] = deque(maxlen=max(1, int(vad_opts.preroll_ms / 1000 / FRAME_S)))
-    frames: list[np.ndarray] = []
-    voiced: list[bool] = []
-    spec = None
-    for i in range(len(audio) // FRAME):
-        x = audio[i * FRAME : (i + 1) * FRAME]
-        prob = vad(x)
-        preroll.append(x)
-        if ep.state != "idle":
-            frames.append(x)
-            voiced.append(prob >= vad_opts.neg_threshold)
-        ev = ep.update(prob, (i + 1) * FRAME_S)
-        if ev is Ev.ONSET:
-            frames, voiced = list(preroll), [True] * len(preroll)
-        elif ev is Ev.PAUSE:
-            spec = len(frames)
-        elif ev is Ev.RESUME:
-            spec = None
-        if spec is not None and ep.silent_ms >= min_pause_ms:
-            break
+    frames, voiced, pauses = replay_vad(audio, vad_opts)
+    spec = next((p["frames"] for p in pauses if p["ms"] >= min_pause_ms), None)
     if spec is None:
         raise ValueError("no pause that long in the audio")
     return close_gaps(frames[:spec], voiced[:spec], max(1, int(max_gap_ms / 1000 / FRAME_S)))
