@@ -32,8 +32,9 @@ def loopback_cloud(opts: GeneratorOptions) -> Iterator[Callable[[], CloudLink] |
 
 
 @contextlib.contextmanager
-def loopback_server(model: str, threads: int = 1) -> Iterator[tuple[str, str]]:
+def loopback_server(model: str, threads: int = 1, cpus: str = "") -> Iterator[tuple[str, str]]:
     """A cloud server process on loopback for `model` (the replay harness puts its network
-    emulator in front): yields (WebSocket URL, API key); stopped on exit."""
-    with LocalCloudServer(model=model, extra_args=["--threads", str(threads)]) as server:
+    emulator in front), on the CPUs `cpus` names ("" = wherever): yields (WebSocket URL, API key);
+    stopped on exit."""
+    with LocalCloudServer(model=model, extra_args=["--threads", str(threads)], cpus=cpus) as server:
         yield server.url, server.api_key

@@ -46,7 +46,11 @@ def _allowed(pid: int) -> dict[int, str]:
     """Each thread of process `pid`: the CPUs it may run on."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        for line in status.splitlines():
             if line.startswith("Cpus_allowed_list:"):
                 out[int(task.name)] = line.split(":", 1)[1].strip()
     return out

@@ -9,6 +9,7 @@ device's answer.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,12 @@ def test_router_verify_with_one_model_equals_edge_and_resumes(tmp_path):
     """Same GGUF on both sides and every position flagged: the cloud agrees everywhere, so nothing changes.
 
     Run twice: --limit 2 then --limit 3 on the same --out resumes (the first two sessions are kept, not redone).
+    The loopback server runs pinned to the last CPU (--cloud-cpus), and the run records it.
     """
+    cloud_cpu = str(max(os.sched_getaffinity(0)))
     args = [
+        "--cloud-cpus",
+        cloud_cpu,
         "--profile",
         "lan",
         "--policies",
@@ -153,6 +158,7 @@ def test_router_verify_with_one_model_equals_edge_and_resumes(tmp_path):
     assert main([*args, "--limit", "3"]) == 0
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == 3 and lines[:2] == first
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["cloud_cpus"] == cloud_cpu
     for session, by in _rows(tmp_path).items():
         edge, verify = by["edge"][0], by["router-verify"][0]
         assert verify["tokens"] == edge["tokens"], session
@@ -164,6 +170,11 @@ def test_bad_input_is_refused_clearly(tmp_path, capsys):
     assert "unknown policy 'warp'" in capsys.readouterr().err
     assert main(["--out", str(tmp_path), "--limit", "0"]) == 2
     assert "--limit must be >= 1" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--cloud-cpus", "first"]) == 2
+    assert "'first' is not a CPU list" in capsys.readouterr().err
+    beyond = max(os.sched_getaffinity(0)) + 1
+    assert main(["--out", str(tmp_path), "--device-cpus", str(beyond)]) == 2
+    assert f"CPU {beyond} is not available to this process" in capsys.readouterr().err
 
 
 def test_audio_mode_measures_end_of_speech_to_first_audio(tmp_path, capsys):

@@ -32,6 +32,7 @@ from edge_client.replay.policies import DEFAULT_POLICIES, Runner, parse_policies
 from edge_client.replay.report import json_summary, machine_info, markdown, write_report
 from edge_client.replay.sessions import Session, SessionError, load_sessions
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
+from shared.cpus import parse_cpus, pin_to_cpus
 from shared.llama_backend import LlamaModel
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 
@@ -104,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=48)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--threads", type=int, default=1, help="llama.cpp threads on each side (device, cloud)")
+    g.add_argument(
+        "--device-cpus",
+        metavar="LIST",
+        help="run the device side (this process) on these CPUs only (0,1; Linux): with --cloud-cpus on a machine "
+        "with cores to spare, the cloud's decodes stop taking the device's cores, as on other hardware",
+    )
+    g.add_argument("--cloud-cpus", metavar="LIST", help="run the loopback cloud server on these CPUs only (2,3; Linux)")
     n = p.add_argument_group("network overrides (applied to the profile)")
     n.add_argument("--rtt-ms", type=float)
     n.add_argument("--jitter-ms", type=float)
@@ -122,9 +130,12 @@ def check_audio_available() -> None:
 
 
 @contextlib.contextmanager
-def emulated_cloud(cloud_model: str, profile, seed: int, threads: int) -> Iterator[tuple[str, str, NetemProxy]]:
-    """A loopback cloud server behind the network emulator: yields (device URL, API key, proxy)."""
-    with loopback_server(cloud_model, threads) as (url, key):
+def emulated_cloud(
+    cloud_model: str, profile, seed: int, threads: int, cpus: str = ""
+) -> Iterator[tuple[str, str, NetemProxy]]:
+    """A loopback cloud server behind the network emulator: yields (device URL, API key, proxy).
+    `cpus`: the CPUs the server runs on ("" = the device's)."""
+    with loopback_server(cloud_model, threads, cpus) as (url, key):
         target = urlparse(url)
         with NetemProxy(target.hostname or "127.0.0.1", target.port or 0, profile, seed=seed) as proxy:
             yield f"ws://127.0.0.1:{proxy.port}{target.path}", key, proxy
@@ -150,6 +161,8 @@ def _config(args: argparse.Namespace, profile) -> dict:
         "max_tokens",
         "temperature",
         "threads",
+        "device_cpus",
+        "cloud_cpus",
         "audio",
         "settle_ms",
     )
@@ -296,6 +309,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ReplayError("--max-tokens, --span and --draft-max must be >= 1")
     if not 0.0 < args.check_nats < float("inf"):
         raise ReplayError("--check-nats must be a finite number of nats > 0")
+    if args.cloud_cpus:
+        parse_cpus(args.cloud_cpus)  # a bad list is refused before any work, not when the server starts
+    if args.device_cpus:
+        pin_to_cpus(args.device_cpus)  # before the models load (their threads inherit it)
     sessions = load_sessions(args.sessions, args.split, args.limit, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     config = _config(args, profile)
@@ -335,7 +352,8 @@ def run(args: argparse.Namespace) -> dict:
     runners: list[Runner] = []
     voice = None
     try:
-        with emulated_cloud(args.cloud_model, profile, args.seed, args.threads) as (url, key, proxy):
+        cloud = emulated_cloud(args.cloud_model, profile, args.seed, args.threads, args.cloud_cpus or "")
+        with cloud as (url, key, proxy):
             for spec in specs:
                 connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
                 runners.append(Runner(spec, edge, connect, opts, query_threshold=args.query_threshold))

@@ -182,7 +182,9 @@ class AppCore:
     def _local_server(self) -> tuple[str, str]:
         """The loopback cloud server, started the first time it is needed and kept until the app exits."""
         if self._local is None:
-            self._local = self._stack.enter_context(loopback_server(self.gen_opts.cloud_model))
+            self._local = self._stack.enter_context(
+                loopback_server(self.gen_opts.cloud_model, cpus=self.gen_opts.cloud_cpus)
+            )
         return self._local
 
     # ---------------------------------------------------------------- what the page shows
