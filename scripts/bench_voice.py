@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--cloud-cpus", metavar="LIST", help="run the loopback cloud server on these CPUs only (2,3; Linux)"
     )
+    ap.add_argument(
+        "--policy",
+        choices=("router", "edge"),
+        default="router",
+        help="edge: the device model answers alone and no cloud server runs (a diagnosis: what the cloud's "
+        "work costs the chain on these cores); for the whole run, not a --compare flag",
+    )
     ap.add_argument("--partial-interval-ms", type=int, default=None)
     ap.add_argument(
         "--recognition", action="store_true", help="offline vs streaming-final WER only (no language model)"
@@ -500,6 +507,8 @@ def main() -> None:
     compare = args.compare or ("--turn-mode silence" if args.pauses else None)
     if compare:
         args_b = ap.parse_args(sys.argv[1:] + compare.split())
+        if (args_b.policy, args_b.cloud_cpus, args_b.device_cpus) != (args.policy, args.cloud_cpus, args.device_cpus):
+            ap.error("--policy, --cloud-cpus and --device-cpus apply to the whole run: give them outside --compare")
         configs.append(("b", voice_options(args_b), generation_flags(args_b)))
     data = json.load(open(args.data))
     if args.recognition:
@@ -516,7 +525,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
     first = configs[0][1]
     gen_opts = GeneratorOptions(
-        cloud="local", cloud_cpus=args.cloud_cpus or "", policy="router", max_tokens=first.max_tokens, seed=0
+        cloud="local", cloud_cpus=args.cloud_cpus or "", policy=args.policy, max_tokens=first.max_tokens, seed=0
     )
     try:
         gen_opts.validate()
@@ -594,6 +603,7 @@ def main() -> None:
                 )
     result: dict = {
         "command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]),
+        "policy": args.policy,
         "cpus": {"device": format_cpus(os.sched_getaffinity(0)), "cloud": args.cloud_cpus or "the device's"},
         "configs": {},
     }
