@@ -167,6 +167,9 @@ def _config(args: argparse.Namespace, profile) -> dict:
         "settle_ms",
     )
     cfg = {k: getattr(args, k) for k in keep}
+    for k in ("device_cpus", "cloud_cpus"):  # unset, they leave the digest as it was: earlier runs still resume
+        if cfg[k] is None:
+            del cfg[k]
     cfg["profile"] = profile.to_json()
     return cfg
 
