@@ -180,6 +180,49 @@ class PerToken:
         turn.sync_eagerly()
 
 
+@dataclass(slots=True)
+class ClauseDraft:
+    """The device's draft of one clause, as the cloud's check sends it: the router's flag and score
+    at each drafted token, and the hidden state at each flagged one (hard tokens travel with it)."""
+
+    flagged: list[bool] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    hard_hidden: list[np.ndarray] = field(default_factory=list)
+
+    def hidden(self) -> np.ndarray | None:
+        return np.stack(self.hard_hidden) if self.hard_hidden else None
+
+    def release_unchecked(self, turn: Turn, drafts: list[int]) -> None:
+        """No verdict came (the cloud is lost or slow): the drafts stand, flagged ones as fallbacks."""
+        for token, score, flag in zip(drafts, self.scores, self.flagged):
+            turn.out.release(token, "edge", score, fallback=flag)
+
+
+def draft_clause(turn: Turn) -> ClauseDraft | None:
+    """Draft on the device to a clause end and one token more (or `check_max_draft` tokens, or the
+    answer's end), appended to the decoder's history; None if the turn was stopped meanwhile (the
+    draft is then taken back)."""
+    dec = turn.decoder
+    start = len(dec.history)
+    draft = ClauseDraft()
+    room, past_clause_end = min(turn.room(), turn.opts.check_max_draft), False
+    while True:
+        logits, hidden = dec.next_distribution()
+        proposed = turn.sampler.sample(logits)
+        score, hard = turn.flag(hidden, logits, proposed)
+        if hard:
+            draft.hard_hidden.append(hidden.astype(np.float16))  # a copy: the view dies with the next decode
+        draft.flagged.append(hard)
+        draft.scores.append(score)
+        dec.append(proposed)
+        if turn.stopped():
+            dec.truncate(start)
+            return None
+        if past_clause_end or turn.model.is_eog(proposed) or len(draft.scores) >= room:
+            return draft
+        past_clause_end = turn.clause_ends(proposed)
+
+
 class ClauseCheck:
     """Draft to a clause end (plus one token), then one `verify`: the cloud's check.
 
@@ -199,38 +242,15 @@ class ClauseCheck:
         cloud.sync(dec.history)  # final tokens not yet synced: the cloud prefills them while the device drafts
         if not cloud.up:
             return  # lost: the per-token phase finishes on the device
-        flagged: list[bool] = []
-        scores: list[float] = []
-        hard_hidden: list[np.ndarray] = []  # the hidden state at each flagged draft: hard tokens travel with it
-        room, past_clause_end = min(turn.room(), opts.check_max_draft), False
-        while True:
-            logits, hidden = dec.next_distribution()
-            proposed = turn.sampler.sample(logits)
-            score, hard = turn.flag(hidden, logits, proposed)
-            if hard:
-                hard_hidden.append(hidden.astype(np.float16))  # a copy: the view dies with the next decode
-            flagged.append(hard)
-            scores.append(score)
-            dec.append(proposed)
-            if turn.stopped():
-                dec.truncate(start)  # interrupted: nothing of this clause is released
-                return
-            if past_clause_end or turn.model.is_eog(proposed) or len(scores) >= room:
-                break
-            past_clause_end = turn.clause_ends(proposed)
-        drafts = dec.history[start:]
+        draft = draft_clause(turn)
+        if draft is None:
+            return  # interrupted: nothing of this clause is released
+        drafts, flagged, scores = dec.history[start:], draft.flagged, draft.scores
         check = [i for i, f in enumerate(flagged) if f]
-        verdict = cloud.verify(
-            dec.history[:start],
-            drafts,
-            check,
-            tolerance=opts.check_nats,
-            hidden=np.stack(hard_hidden) if hard_hidden else None,
-        )
+        verdict = cloud.verify(dec.history[:start], drafts, check, tolerance=opts.check_nats, hidden=draft.hidden())
         release = turn.out.release
         if verdict is None:
-            for token, score, flag in zip(drafts, scores, flagged):
-                release(token, "edge", score, fallback=flag)
+            draft.release_unchecked(turn, drafts)
             return
         at = verdict.accepted  # the rejected draft, where the cloud wrote its own token (if any)
         turn.settle(start, drafts, at, verdict.token)
@@ -336,25 +356,10 @@ class TextClauseCheck:
         cloud.sync(dec.history)  # the text not yet synced: the cloud prefills it while the device drafts
         if not cloud.up:
             return  # lost: the per-token phase finishes on the device
-        flagged: list[bool] = []
-        scores: list[float] = []
-        hard_hidden: list[np.ndarray] = []
-        room, past_clause_end = min(turn.room(), opts.check_max_draft), False
-        while True:
-            logits, hidden = dec.next_distribution()
-            proposed = turn.sampler.sample(logits)
-            score, hard = turn.flag(hidden, logits, proposed)
-            if hard:
-                hard_hidden.append(hidden.astype(np.float16))
-            flagged.append(hard)
-            scores.append(score)
-            dec.append(proposed)
-            if turn.stopped():
-                dec.truncate(start)  # interrupted: nothing of this clause is released
-                return
-            if past_clause_end or turn.model.is_eog(proposed) or len(scores) >= room:
-                break
-            past_clause_end = turn.clause_ends(proposed)
+        draft = draft_clause(turn)
+        if draft is None:
+            return  # interrupted: nothing of this clause is released
+        flagged, scores = draft.flagged, draft.scores
         drafts = dec.history[start:]
         eog = turn.model.is_eog(drafts[-1])
         verdict = cloud.verify_text(
@@ -363,12 +368,11 @@ class TextClauseCheck:
             flagged,
             opts.check_nats,
             eog=eog,
-            hidden=np.stack(hard_hidden) if hard_hidden else None,
+            hidden=draft.hidden(),
         )
         release = turn.out.release
         if verdict is None:
-            for token, score, flag in zip(drafts, scores, flagged):
-                release(token, "edge", score, fallback=flag)
+            draft.release_unchecked(turn, drafts)
             return
         answer = dec.history[turn.prompt_len :]
         first = start - turn.prompt_len
