@@ -158,26 +158,20 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         meta["routed_by"] = routed_by
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     longest = max((len(t) for t in tokens), default=1)
-    bar = _progress(len(todo) * per, opts.progress)
+    per = opts.prompts_per_shard
     n_ctx = per * (longest + opts.max_tokens + 2) + 64 * (opts.window + 4)
     stepper = PairStepper(edge, cloud, n_seq=per, n_ctx=n_ctx, threads=opts.threads, extra_cloud_seqs=64)
+
+    def label_shard(i: int) -> dict[str, list]:
+        forced = None if opts.answers is None else opts.answers[i * per : (i + 1) * per]
+        return _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts, router, forced)
+
     try:
-        for i in todo:
-            chunk = prompts[i * per : (i + 1) * per]
-            t0 = time.perf_counter()
-            forced = None if opts.answers is None else opts.answers[i * per : (i + 1) * per]
-            rows = _label_batch(stepper, tokens[i * per : (i + 1) * per], i * per, opts, router, forced)
-            write_shard(paths[i], make_records(rows, dict(meta, prompts=chunk, first_prompt_id=i * per)))
-            log.debug("shard %d: %d positions in %.1fs", i, len(rows["proposed"]), time.perf_counter() - t0)
-            if bar is not None:
-                bar.update(len(chunk))
+        return _write_shards(prompts, opts, paths, todo, meta, label_shard)
     finally:
-        if bar is not None:
-            bar.close()
         stepper.close()
         edge.close()
         cloud.close()
-    return paths
 
 
 def _label_text(
@@ -191,19 +185,43 @@ def _label_text(
 ) -> list[Path]:
     """A mixed pair: each prompt labelled on text in the cloud's terms (text_label.py)."""
     per = opts.prompts_per_shard
-    bar = _progress(len(todo) * per, opts.progress)
     labeller = TextLabeller(edge, cloud, threads=opts.threads)
+
+    def label_shard(i: int) -> dict[str, list]:
+        rows: dict[str, list] = {c: [] for c in COLUMNS}
+        for k, p in enumerate(prompts[i * per : (i + 1) * per]):
+            got = labeller.label_prompt(
+                chat(edge, opts.system_prompt, p), chat(cloud, opts.system_prompt, p), i * per + k, opts.max_tokens
+            )
+            for key, col in got.items():
+                rows[key].extend(col)
+        return rows
+
+    try:
+        return _write_shards(prompts, opts, paths, todo, meta, label_shard)
+    finally:
+        labeller.close()
+        edge.close()
+        cloud.close()
+
+
+def _write_shards(
+    prompts: list[str],
+    opts: LabelOptions,
+    paths: list[Path],
+    todo: list[int],
+    meta: dict,
+    label_shard: Callable[[int], dict[str, list]],
+) -> list[Path]:
+    """Label and write the shards not written yet (`todo`), one at a time: `label_shard(i)` gives
+    shard i's columns. Each shard is written as soon as it is done, so a stopped run resumes."""
+    per = opts.prompts_per_shard
+    bar = _progress(len(todo) * per, opts.progress)
     try:
         for i in todo:
             chunk = prompts[i * per : (i + 1) * per]
             t0 = time.perf_counter()
-            rows: dict[str, list] = {c: [] for c in COLUMNS}
-            for k, p in enumerate(chunk):
-                got = labeller.label_prompt(
-                    chat(edge, opts.system_prompt, p), chat(cloud, opts.system_prompt, p), i * per + k, opts.max_tokens
-                )
-                for key, col in got.items():
-                    rows[key].extend(col)
+            rows = label_shard(i)
             write_shard(paths[i], make_records(rows, dict(meta, prompts=chunk, first_prompt_id=i * per)))
             log.debug("shard %d: %d positions in %.1fs", i, len(rows["proposed"]), time.perf_counter() - t0)
             if bar is not None:
@@ -211,9 +229,6 @@ def _label_text(
     finally:
         if bar is not None:
             bar.close()
-        labeller.close()
-        edge.close()
-        cloud.close()
     return paths
 
 
@@ -238,20 +253,7 @@ def _label_batch(
         else []
     )
     stepper.start([(p, [k]) for k, p in enumerate(prompts)])
-    rows: dict[str, list] = {
-        k: []
-        for k in (
-            "hidden",
-            "logit_feats",
-            "proposed",
-            "cloud_token",
-            "position",
-            "prompt_id",
-            "mismatch",
-            "divergent",
-            "regret",
-        )
-    }
+    rows: dict[str, list] = {k: [] for k in COLUMNS}
     answers: list[list[int]] = [[] for _ in prompts]
     where: list[list[int]] = [[] for _ in prompts]  # row index of each answer position
     for step in range(opts.max_tokens):
