@@ -286,6 +286,20 @@ class Connection:
         """The engine's work for this session not yet reported (carried by the next reply)."""
         return self.engine.take_work(st.handle)
 
+    def _reply_work(self, st: SessionState) -> dict:
+        """A reply's report of the work since the last one: the engine's counts and the background
+        prefill time (syncs, the lookahead's decode), as the reply's fields."""
+        prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
+        return {**vars_of(self._take_work(st)), "prefill_ms": prefill_ms}
+
+    def _check_max_tokens(self, max_tokens: int) -> None:
+        if max_tokens > self.config.max_tokens_per_request:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"max_tokens {max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
+                field="max_tokens",
+            )
+
     async def _sync(self, st: SessionState, msg: Sync) -> None:
         self._check_position(st, "sync", msg.position)
         self._check_tokens(msg.tokens)
@@ -305,6 +319,12 @@ class Connection:
         st.guard.cloud_token()
         self.services.metrics.hard_tokens.inc()
         st.record_tokens(position, [token], cloud=True)
+
+    def _cloud_span(self, st: SessionState, position: int, tokens: list[int]) -> None:
+        """Account a span of tokens the cloud wrote from `position` (text mode's pieces)."""
+        for i, token in enumerate(tokens):
+            self._cloud_token(st, position + i, token)
+        self.cloud_tokens += len(tokens)
 
     def _admit_hard_tokens(self, st: SessionState, n: int, carried: int = 0) -> None:
         """Quota and abuse checks before the cloud writes; refusals are `busy` errors naming the limit.
@@ -337,12 +357,7 @@ class Connection:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"proposed must be -1 or within [0, {self.caps.n_vocab})", field="proposed"
             )
-        if msg.max_tokens > self.config.max_tokens_per_request:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
-                field="max_tokens",
-            )
+        self._check_max_tokens(msg.max_tokens)
         t_received = time.perf_counter()
         # the first token: refused, it leaves the history as it was (the device may retry at msg.position)
         self._admit_hard_tokens(st, 1, carried=len(msg.tokens))
@@ -384,11 +399,9 @@ class Connection:
     async def _send_tokens(
         self, st: SessionState, request_id: int, position: int, w: GenerateResult, final: bool, eog: bool
     ) -> None:
-        prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
-        work = self._take_work(st)
         await self.send(
             Tokens(
-                **vars_of(work),
+                **self._reply_work(st),
                 request_id=request_id,
                 position=position,
                 ids=[w.token],
@@ -396,7 +409,6 @@ class Connection:
                 compute_ms=w.compute_s * 1000.0,
                 final=final,
                 eog=eog,
-                prefill_ms=prefill_ms,
             )
         )
 
@@ -455,11 +467,9 @@ class Connection:
                     break
                 cloud = r.token if off == r.accepted else msg.tokens[off]  # at the rejection, the cloud's own token
                 self.recorder.record(self.edge_model, hidden, msg.tokens[off], cloud, msg.position + off)
-        prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
-        work = self._take_work(st)
         await self.send(
             Verdict(
-                **vars_of(work),
+                **self._reply_work(st),
                 request_id=msg.request_id,
                 position=msg.position,
                 accepted=r.accepted,
@@ -467,7 +477,6 @@ class Connection:
                 logprob=r.logprob,
                 compute_ms=r.compute_ms,
                 eog=r.eog,
-                prefill_ms=prefill_ms,
             )
         )
 
@@ -497,12 +506,7 @@ class Connection:
     async def _text_generate(self, st: SessionState, text: TextSession, msg: TextGenerate) -> None:
         """A hard position in text mode: the device's text, then the cloud's span (or stream)."""
         self._check_bytes(text, "text_generate", msg.byte_position)
-        if msg.max_tokens > self.config.max_tokens_per_request:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
-                field="max_tokens",
-            )
+        self._check_max_tokens(msg.max_tokens)
         self._admit_hard_tokens(st, 1)
         n = len(self.engine.history(st.handle))
         carried = await text.append(msg.text.encode())
@@ -511,15 +515,10 @@ class Connection:
 
         async def emit(piece: SpanPiece) -> None:
             nonlocal sent
-            base = len(self.engine.history(st.handle)) - len(piece.tokens)
-            for i, token in enumerate(piece.tokens):
-                self._cloud_token(st, base + i, token)
-            self.cloud_tokens += len(piece.tokens)
-            prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
-            work = self._take_work(st)
+            self._cloud_span(st, len(self.engine.history(st.handle)) - len(piece.tokens), piece.tokens)
             await self.send(
                 TextReply(
-                    **vars_of(work),
+                    **self._reply_work(st),
                     request_id=msg.request_id,
                     byte_position=piece.byte_position,
                     text=piece.text.decode("utf-8"),
@@ -528,7 +527,6 @@ class Connection:
                     compute_ms=piece.compute_s * 1000.0,
                     final=piece.final,
                     eog=piece.eog,
-                    prefill_ms=prefill_ms,
                     guess_texts=[p.decode("utf-8") for p in piece.guess.pieces] if piece.guess else [],
                     guess_logprobs=list(piece.guess.logprobs) if piece.guess else [],
                 )
@@ -560,12 +558,7 @@ class Connection:
                 f"text_verify is not supported by this server's engine ({self.caps.name}); use text_generate",
             )
         self._check_bytes(text, "text_verify", msg.byte_position)
-        if msg.max_tokens > self.config.max_tokens_per_request:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"max_tokens {msg.max_tokens} exceeds the server limit {self.config.max_tokens_per_request}",
-                field="max_tokens",
-            )
+        self._check_max_tokens(msg.max_tokens)
         self._admit_hard_tokens(st, 1)
         flagged = list(zip(msg.check[::2], msg.check[1::2]))
         drafted = msg.text.encode()
@@ -577,14 +570,10 @@ class Connection:
             history = self.engine.history(st.handle)
             base = len(history) - len(piece.tokens)
             self._device_tokens(st, n0, history[min(n0, base) : base])  # the kept drafts, in cloud tokens
-            for i, token in enumerate(piece.tokens):
-                self._cloud_token(st, base + i, token)
-            self.cloud_tokens += len(piece.tokens)
-            prefill_ms, self.prefill_ms = self.prefill_ms, 0.0
-            work = self._take_work(st)
+            self._cloud_span(st, base, piece.tokens)
             await self.send(
                 TextVerdict(
-                    **vars_of(work),
+                    **self._reply_work(st),
                     request_id=msg.request_id,
                     byte_position=msg.byte_position,
                     accepted_bytes=kept,
@@ -593,7 +582,6 @@ class Connection:
                     logprob=piece.logprob,
                     compute_ms=piece.compute_s * 1000.0,
                     eog=piece.eog,
-                    prefill_ms=prefill_ms,
                 )
             )
             sent = True
