@@ -128,6 +128,11 @@ class RoutedGenerator:
         return self.cloud.link
 
     @property
+    def cloud_configured(self) -> bool:
+        """A cloud exists for this device at all (not `--cloud none`, not policy edge)."""
+        return self.cloud.configured
+
+    @property
     def last_cloud_error(self) -> str:
         return self.cloud.last_error
 

@@ -565,3 +565,33 @@ def test_complete_prefill_lets_the_answer_start_without_a_decode(edge_model, sam
     finally:
         edge_only.close()
         routed.close()
+
+
+def test_the_listen_header_says_whether_the_cloud_is_off_connected_or_lost(edge_model):
+    """`listen`'s header line: off (no cloud for this device), connected, or not connected with the
+    reason, and a degraded last answer. (A cloud that was configured but not connected used to show
+    as "off": the check read an attribute the generator does not have.)"""
+    from cloud_server.local import LocalCloudServer
+    from edge_client.voice.app import cloud_state
+    from edge_client.voice.events import TurnDone
+
+    edge_only = make_generator(edge_model, None, mode="edge")
+    try:
+        assert cloud_state(edge_only, None).plain == "cloud: off (edge only)"
+    finally:
+        edge_only.close()
+    with LocalCloudServer() as server:
+        gen = make_generator(edge_model, server, threshold=0.0)  # every token hard: the cloud is asked at once
+        try:
+            assert cloud_state(gen, None).plain == "cloud: not connected"  # configured, no answer yet
+            gen.generate(chat(QUESTIONS[1]), max_tokens=4)
+            assert cloud_state(gen, None).plain == "cloud: connected"
+            server.kill()
+            a = gen.generate(chat(QUESTIONS[1]), max_tokens=4)
+            assert a.degraded
+            last = TurnDone("q", a, a.text, False)
+            line = cloud_state(gen, last).plain
+            assert line.startswith("cloud: not connected (") and gen.last_cloud_error in line, line
+            assert line.endswith("last answer degraded (edge finished alone)")
+        finally:
+            gen.close()

@@ -19,7 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from edge_client.generator import open_generator
+from edge_client.generator import RoutedGenerator, open_generator
 from edge_client.options_cli import options_from_args
 
 from .audio_io import Microphone, Speaker, resolve_device
@@ -85,23 +85,20 @@ class ViewState:
             self.notices = self.notices[-4:]
 
 
-def cloud_state(gen: Any, last: TurnDone | None) -> Text:
-    link = getattr(gen, "link", None)
-    if link is not None and getattr(link, "connected", False):
+def cloud_state(gen: RoutedGenerator, last: TurnDone | None) -> Text:
+    """The header's cloud line: connected, off (no cloud for this device), or not connected and why."""
+    if gen.link is not None and gen.link.connected:
         t = Text("cloud: connected", style="green")
-    elif getattr(gen, "_connect", None) is None:
+    elif not gen.cloud_configured:
         t = Text("cloud: off (edge only)", style="yellow")
     else:
-        t = Text(
-            "cloud: not connected" + (f" ({gen.last_cloud_error})" if getattr(gen, "last_cloud_error", "") else ""),
-            style="red",
-        )
+        t = Text("cloud: not connected" + (f" ({gen.last_cloud_error})" if gen.last_cloud_error else ""), style="red")
     if last is not None and last.answer is not None and last.answer.degraded:
         t.append("  last answer degraded (edge finished alone)", style="red")
     return t
 
 
-def render(state: ViewState, gen: Any, devices: str) -> Panel:
+def render(state: ViewState, gen: RoutedGenerator, devices: str) -> Panel:
     with state.lock:
         head = Text(f"{state.status}   ", style="bold")
         head.append_text(cloud_state(gen, state.last))

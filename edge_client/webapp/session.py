@@ -60,8 +60,8 @@ def turn_json(done: TurnDone, core: AppCore) -> dict[str, Any]:
         "playback_gaps": t.playback_gaps,  # where synthesis fell behind playback (TurnTimings)
         "playback_gap_ms": _round(t.playback_gap_ms),
         "first_piece_cached": t.first_piece_cached,  # the first piece played from the synthesiser's cache
-        "draft": getattr(done, "draft", None),
-        "end_of_turn": done.end_of_turn.to_json() if getattr(done, "end_of_turn", None) is not None else None,
+        "draft": done.draft,
+        "end_of_turn": done.end_of_turn.to_json() if done.end_of_turn is not None else None,
         "answer": None,
     }
     a = done.answer
