@@ -89,7 +89,7 @@ class RoutedGenerator:
         self.router = router or build_router(
             opts.router, edge.n_vocab, edge.info, opts.router_on_mismatch, opts.cloud_model
         )
-        self.policy = policy or RoutingPolicy(opts.policy_config(), prior=getattr(self.router, "threshold_for", None))
+        self.policy = policy or RoutingPolicy(opts.policy_config(), prior=self.router.threshold_for)
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
         self.answer_text = AnswerText.for_model(edge)  # text mode: the answer as this model tokenizes it
         self.cloud = CloudSession(
@@ -109,7 +109,7 @@ class RoutedGenerator:
         opts.validate()
         policy = None
         if opts.policy_config() != self.opts.policy_config():
-            policy = RoutingPolicy(opts.policy_config(), prior=getattr(self.router, "threshold_for", None))
+            policy = RoutingPolicy(opts.policy_config(), prior=self.router.threshold_for)
         with self._lock:
             if policy is not None:
                 self.policy = policy
@@ -264,9 +264,7 @@ class RoutedGenerator:
         answer.cloud_timeouts = cloud.timeouts - timeouts0
         answer.degraded = answer.degraded or (use_cloud and not cloud.up)
         answer.traffic = cloud.traffic() - traffic0
-        drift_report = getattr(self.router, "drift_report", None)
-        if drift_report is not None:  # learned routers: score distribution vs training (PSI)
-            answer.drift = drift_report()
+        answer.drift = self.router.drift_report()  # learned routers: score distribution vs training (PSI)
         return answer
 
     def _strategy(self, turn: Turn, mode: str, use_cloud: bool) -> Strategy:

@@ -9,20 +9,28 @@ write. Any object with that method is a router; the learned router in
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 
 class Router(Protocol):
-    """Required: `name` and `score`. Optional: `threshold_for(fraction) -> float`, the
-    threshold expected to route that fraction of tokens (seeds online calibration), and
-    `drift_report() -> dict` (copied into each answer's stats)."""
+    """A per-token difficulty score, and what the policy and each answer's stats ask of it."""
 
     name: str
 
     def score(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> float:
         """Difficulty of the next token in [0, 1]."""
+        ...
+
+    def threshold_for(self, fraction: float) -> float:
+        """The threshold expected to route `fraction` of tokens: where online calibration starts
+        (shared/policy.py)."""
+        ...
+
+    def drift_report(self) -> dict[str, Any] | None:
+        """This router's scores so far against its training's (copied into each answer's stats);
+        None when it has no training distribution to compare with."""
         ...
 
 
@@ -113,6 +121,9 @@ class HeuristicRouter:
         """Starting threshold for a target cloud fraction (from PRIOR_QUANTILES)."""
         return threshold_from_quantiles(PRIOR_QUANTILES[self.kind], fraction)
 
+    def drift_report(self) -> None:
+        return None  # a fixed formula: no training distribution
+
 
 class RandomRouter:
     """Uniform random scores: the baseline every router must beat, and a test of exact sync."""
@@ -123,3 +134,9 @@ class RandomRouter:
 
     def score(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> float:
         return float(self._rng.random())
+
+    def threshold_for(self, fraction: float) -> float:
+        return 1.0 - fraction  # uniform scores
+
+    def drift_report(self) -> None:
+        return None

@@ -20,7 +20,7 @@ from models.train.cli import DEFAULT_ROUTER
 from models.train.fit import FitOptions, fit
 from models.train.shards import load_records
 from shared.learned_router import DriftMonitor, LearnedRouter, RouterFileError, RouterMismatchError, load_router
-from shared.router import HeuristicRouter
+from shared.router import HeuristicRouter, RandomRouter
 from tests.conftest import chat
 
 pytestmark = pytest.mark.skipif(
@@ -81,6 +81,21 @@ def test_generator_uses_the_learned_router_and_reports_drift():
     assert answer.drift is not None and answer.drift["n_scores"] == answer.n_tokens
     assert {"psi", "status", "router"} <= set(answer.drift)
     assert all(s is not None and 0.0 <= s <= 1.0 for s in answer.scores)
+
+
+def test_every_router_gives_a_calibration_prior_and_says_whether_it_reports_drift(edge_info):
+    """The Router protocol's three methods, on each kind a generator can be given: the policy seeds its
+    calibration from `threshold_for`, and each answer copies `drift_report` (learned routers only)."""
+    rng = np.random.default_rng(0)
+    heuristic = HeuristicRouter("entropy", 1000)
+    random = RandomRouter(seed=1)
+    learned = load_router(DEFAULT_ROUTER, edge_info)
+    for router in (heuristic, random, learned):
+        assert 0.0 <= router.threshold_for(0.3) <= 1.0 and router.threshold_for(0.1) >= router.threshold_for(0.5)
+    scores = np.array([random.score(np.zeros(1), rng.standard_normal(1000), 0) for _ in range(4000)])
+    assert abs(float(np.mean(scores >= random.threshold_for(0.3))) - 0.3) < 0.03  # uniform scores: exact prior
+    assert heuristic.drift_report() is None and random.drift_report() is None
+    assert learned.drift_report()["router"] == learned.name
 
 
 @pytest.mark.parametrize("check", ["off", "all"])
