@@ -209,6 +209,7 @@ def test_audio_mode_measures_end_of_speech_to_first_audio(tmp_path, capsys):
     row = next(iter(_rows(tmp_path).values()))["edge"][0]
     assert row["transcript"] and row["tokens"]
     assert row["eos_to_first_audio_ms"] is not None and row["eos_to_first_audio_ms"] > 0
+    assert row["prefilled_tokens"] > 0  # partial transcripts prefilled the prompt, as in the product
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["policies"]["edge"]["eos_to_first_audio_ms_p50"] == pytest.approx(
         row["eos_to_first_audio_ms"], abs=0.01

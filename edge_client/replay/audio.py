@@ -43,7 +43,9 @@ def voice_unavailable() -> str | None:
 
 
 class GeneratorAdapter:
-    """Makes a policy runner look like the generator the voice pipeline drives."""
+    """A policy runner as the generator the voice pipeline drives (pipeline.VoiceGenerator): its
+    answers come from the runner's policy, and partial transcripts prefill its prompt as in the
+    product (without that, audio mode measured every turn without the prefill)."""
 
     def __init__(self, runner: Runner, model) -> None:
         self.runner = runner
@@ -53,6 +55,9 @@ class GeneratorAdapter:
 
     def count_tokens(self, messages: list[dict]) -> int:
         return len(self.model.chat_tokens(messages))
+
+    def prefill(self, messages: list[dict], complete: bool = False) -> int:
+        return self.runner.gen.prefill(messages, complete=complete)
 
     def generate(
         self,

@@ -274,6 +274,7 @@ def score_session(session: Session, results: dict[str, list], scorer, max_tokens
                 row["transcript"] = spoken.get("transcript")
                 row["eos_to_first_audio_ms"] = spoken.get("end_of_speech_to_first_audio_ms")
                 row["voice_timings_ms"] = spoken.get("timings_ms")
+                row["prefilled_tokens"] = spoken.get("prefilled_tokens")  # prompt tokens decoded from partials
             rows.append(row)
     return rows
 

@@ -22,8 +22,9 @@ from .app import run_app
 from .assets import MissingModelError
 from .audio_io import DeviceError, FileSink, FileSource, list_devices
 from .endofturn import TurnDecision, TurnOptions, smart_turn_path
+from .events import TurnDone
 from .options_cli import add_voice_options, voice_options_from_args
-from .pipeline import Engines, NoSpeechError, VoicePipeline
+from .pipeline import Engines, NoSpeechError, VoiceGenerator, VoiceOptions, VoicePipeline
 from .timings import playback_gap_line
 from .wavfile import AudioFileError
 
@@ -89,12 +90,12 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def run_file_turn(
-    gen: Any,
+    gen: VoiceGenerator,
     in_path: str,
     out_path: str,
-    vopts: Any,
+    vopts: VoiceOptions,
     realtime: bool = True,
-    engines: Any = None,
+    engines: Engines | None = None,
     reply_limit_s: float | None = None,
 ) -> dict:
     """One turn from IN.wav to OUT.wav; returns the `--json` object. Raises AudioFileError, NoSpeechError."""
@@ -117,7 +118,7 @@ def run_file_turn(
     return obj
 
 
-def turn_json(done: Any, out_path: str | None = None, reply_s: float | None = None) -> dict:
+def turn_json(done: TurnDone, out_path: str | None = None, reply_s: float | None = None) -> dict:
     a = done.answer
     obj = {
         "transcript": done.transcript,

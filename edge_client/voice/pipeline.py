@@ -121,6 +121,25 @@ class VoiceOptions:
     blas_threads: int = 1
 
 
+class VoiceGenerator(Protocol):
+    """What the pipeline asks of the generator it drives: the product's RoutedGenerator, or the
+    replay harness's policy runner (edge_client/replay/audio.py), measured the same way."""
+
+    def generate(
+        self,
+        messages: list[dict],
+        max_tokens: int = 128,
+        on_token: Callable[[TokenEvent], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> Answer: ...
+
+    def prefill(self, messages: list[dict], complete: bool = False) -> int:
+        """Decode the prompt of a partial transcript ahead of time (RoutedGenerator.prefill)."""
+        ...
+
+    def count_tokens(self, messages: list[dict]) -> int: ...
+
+
 class Sink(Protocol):
     buffer: Playback
     rate: int
@@ -142,7 +161,7 @@ class Engines:
 
     def __init__(
         self,
-        gen: Any,
+        gen: VoiceGenerator,
         asr: AsrOptions | None = None,
         tts: TtsOptions | None = None,
         system_prompt: str | None = None,
@@ -174,7 +193,7 @@ class Prefiller:
     A `complete` request decodes the whole prompt (see `RoutedGenerator.prefill`).
     """
 
-    def __init__(self, gen: Any, is_current: Callable[[int], bool]) -> None:
+    def __init__(self, gen: VoiceGenerator, is_current: Callable[[int], bool]) -> None:
         self.gen = gen
         self.is_current = is_current
         self.n_prefilled = 0  # prompt tokens decoded ahead of time, over all requests
