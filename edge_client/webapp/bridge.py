@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from edge_client.voice.audio_io import PIPELINE_RATE, Frame
+from edge_client.voice.pipeline import Source
 
 Send = Callable[[Any], None]  # a JSON-able dict or bytes to the page; thread-safe, never blocks
 FRAME_S = 0.02  # the page sends 20 ms frames
@@ -231,7 +232,7 @@ class InputGate:
     frame, at the pace the frames come, so the file is heard in real time like speech.
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Source) -> None:
         self.inner = inner
         self.push_to_talk = False
         self.talking = False
