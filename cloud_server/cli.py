@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     if args.cpus:
         try:
-            pin_to_cpus(args.cpus)  # before the model loads: its threads inherit the affinity
+            pin_to_cpus(args.cpus)
         except ValueError as exc:
             sys.exit(f"tokenrouter-cloud: --cpus: {exc}")
     config = ServerConfig(

@@ -129,7 +129,7 @@ class RoutedGenerator:
 
     @property
     def cloud_configured(self) -> bool:
-        """A cloud exists for this device at all (not `--cloud none`, not policy edge)."""
+        """A cloud exists for this device at all: the generator was given a way to connect (not `--cloud none`)."""
         return self.cloud.configured
 
     @property

@@ -530,7 +530,7 @@ def main() -> None:
     try:
         gen_opts.validate()
         if args.device_cpus:
-            pin_to_cpus(args.device_cpus)  # before any model loads: their threads inherit it
+            pin_to_cpus(args.device_cpus)
     except ValueError as exc:
         ap.error(str(exc))
     with open_generator(gen_opts) as gen:

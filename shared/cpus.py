@@ -61,10 +61,10 @@ def _online() -> str:
 
 def format_cpus(cpus: set[int]) -> str:
     """The shortest list that `parse_cpus` reads back: {0, 1, 2, 5} -> "0-2,5"."""
-    out: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(cpus):
-        if out and c == int(out[-1].split("-")[-1]) + 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
         else:
-            out.append(str(c))
-    return ",".join(out)
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -2,8 +2,8 @@
 
 The decoder calls `score(hidden, logits, proposed)` once per position, with the
 device model's final hidden state, its next-token logits and the token it would
-write. Any object with that method is a router; the learned router in
-`shared/learned_router.py` plugs in the same way.
+write. A router is anything that meets the `Router` protocol below (a score, a calibration
+prior, a drift report); the learned router in `shared/learned_router.py` plugs in the same way.
 """
 
 from __future__ import annotations

@@ -161,15 +161,12 @@ def _config(args: argparse.Namespace, profile) -> dict:
         "max_tokens",
         "temperature",
         "threads",
-        "device_cpus",
-        "cloud_cpus",
         "audio",
         "settle_ms",
     )
     cfg = {k: getattr(args, k) for k in keep}
-    for k in ("device_cpus", "cloud_cpus"):  # unset, they leave the digest as it was: earlier runs still resume
-        if cfg[k] is None:
-            del cfg[k]
+    # the CPU lists only when set: unset, the digest stays as it was, so earlier runs still resume
+    cfg.update({k: getattr(args, k) for k in ("device_cpus", "cloud_cpus") if getattr(args, k) is not None})
     cfg["profile"] = profile.to_json()
     return cfg
 
@@ -316,7 +313,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.cloud_cpus:
         parse_cpus(args.cloud_cpus)  # a bad list is refused before any work, not when the server starts
     if args.device_cpus:
-        pin_to_cpus(args.device_cpus)  # before the models load (their threads inherit it)
+        pin_to_cpus(args.device_cpus)
     sessions = load_sessions(args.sessions, args.split, args.limit, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     config = _config(args, profile)

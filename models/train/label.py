@@ -137,28 +137,46 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
                 f"{', router ' + old['routed_by']['router'] if 'routed_by' in old else ''}); use another --out or delete them"
             )
     edge, cloud = LlamaModel(edge_info), LlamaModel(cloud_info)
-    meta = {
-        "source": "label",
-        "edge_model": edge_info.name,
-        "cloud_model": cloud_info.name,
-        "edge_fingerprint": edge_info.fingerprint,
-        "cloud_fingerprint": cloud_info.fingerprint,
-        "n_embd": edge.n_embd,
-        "n_vocab": edge.n_vocab,
-        "max_tokens": opts.max_tokens,
-        "label_rule": {"regret_nats": opts.regret_nats, "window": opts.window, "reconverge": opts.reconverge},
-        "system_prompt": opts.system_prompt,
-        "path": "cloud" if router is None else "routed",
-    }
-    if mixed:  # labels in the cloud model's NLL of the text (text_label.py)
-        meta["label_space"] = LABEL_SPACE
-        meta["label_rule"] = {"rule": LABEL_RULE, "max_tokens": opts.max_tokens}
-        return _label_text(prompts, opts, edge, cloud, paths, todo, meta)
-    if routed_by is not None:
-        meta["routed_by"] = routed_by
+    try:
+        meta = {
+            "source": "label",
+            "edge_model": edge_info.name,
+            "cloud_model": cloud_info.name,
+            "edge_fingerprint": edge_info.fingerprint,
+            "cloud_fingerprint": cloud_info.fingerprint,
+            "n_embd": edge.n_embd,
+            "n_vocab": edge.n_vocab,
+            "max_tokens": opts.max_tokens,
+            "label_rule": {"regret_nats": opts.regret_nats, "window": opts.window, "reconverge": opts.reconverge},
+            "system_prompt": opts.system_prompt,
+            "path": "cloud" if router is None else "routed",
+        }
+        if mixed:  # labels in the cloud model's NLL of the text (text_label.py)
+            meta["label_space"] = LABEL_SPACE
+            meta["label_rule"] = {"rule": LABEL_RULE, "max_tokens": opts.max_tokens}
+            return _label_text(prompts, opts, edge, cloud, paths, todo, meta)
+        if routed_by is not None:
+            meta["routed_by"] = routed_by
+        return _label_tokens(prompts, opts, edge, cloud, paths, todo, meta, router)
+    finally:
+        edge.close()
+        cloud.close()
+
+
+def _label_tokens(
+    prompts: list[str],
+    opts: LabelOptions,
+    edge: LlamaModel,
+    cloud: LlamaModel,
+    paths: list[Path],
+    todo: list[int],
+    meta: dict,
+    router: LearnedRouter | None,
+) -> list[Path]:
+    """One vocabulary: the pair decoded side by side, a batch of prompts per shard (_label_batch)."""
+    per = opts.prompts_per_shard
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     longest = max((len(t) for t in tokens), default=1)
-    per = opts.prompts_per_shard
     n_ctx = per * (longest + opts.max_tokens + 2) + 64 * (opts.window + 4)
     stepper = PairStepper(edge, cloud, n_seq=per, n_ctx=n_ctx, threads=opts.threads, extra_cloud_seqs=64)
 
@@ -170,8 +188,6 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         return _write_shards(prompts, opts, paths, todo, meta, label_shard)
     finally:
         stepper.close()
-        edge.close()
-        cloud.close()
 
 
 def _label_text(
@@ -201,8 +217,6 @@ def _label_text(
         return _write_shards(prompts, opts, paths, todo, meta, label_shard)
     finally:
         labeller.close()
-        edge.close()
-        cloud.close()
 
 
 def _write_shards(
