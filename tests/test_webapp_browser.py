@@ -353,7 +353,13 @@ def test_settings_on_the_page_bad_values_and_a_cloud_that_is_down(app, tmp_path)
         assert a.degraded and a.text.strip() and a.n_cloud_tokens == 0
         wait_for(lambda: attr(d, "#answer-state", "data-state") == "degraded", 10, "the degraded badge", d)
         assert attr(d, "#cloud-badge", "data-state") == "offline"
-        assert any("could not be reached" in n and "device answered alone" in n for n in notices(d))
+        # the notice follows the turn's message (session._after_turn): wait for it, the badge may come first
+        wait_for(
+            lambda: any("could not be reached" in n and "device answered alone" in n for n in notices(d)),
+            10,
+            "the notice that the device answered alone",
+            d,
+        )
         assert texts(d, ".turn .answer")[0] == a.text
 
 
