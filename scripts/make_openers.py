@@ -1,6 +1,8 @@
 """The reply openings Piper renders at start-up: the first pieces the assistant says most often.
 
-    python scripts/make_openers.py [--n 400] [--top 24] [--out edge_client/voice/openers.txt]
+    python scripts/make_openers.py [--n 400] [--top 24] [--out build/openers.txt]
+
+It writes under build/ unless told otherwise; to ship a new list, `--out edge_client/voice/openers.txt`.
 
 Runs the routed generator as the voice pipeline does (loopback cloud server, router policy, seed 0)
 on n CLINC150 `train` queries (Larson et al. 2019, CC BY 3.0; the voice benchmark's fluent set is
@@ -24,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from edge_client.generator import open_generator  # noqa: E402
 from edge_client.options import GeneratorOptions  # noqa: E402
 from edge_client.voice.dialogue import Dialogue, DialogueOptions  # noqa: E402
-from edge_client.voice.tts import OPENERS_FILE, ClauseChunker, TtsOptions, speakable  # noqa: E402
+from edge_client.voice.tts import ClauseChunker, TtsOptions, speakable  # noqa: E402
 from models.train.prompts import clinc_prompts  # noqa: E402
 
 
@@ -45,7 +47,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=400, help="CLINC150 train queries to answer (evenly spaced)")
     ap.add_argument("--top", type=int, default=24, help="openings to keep")
-    ap.add_argument("--out", default=str(OPENERS_FILE))
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "build" / "openers.txt"),
+        help="default build/openers.txt; the shipped list is edge_client/voice/openers.txt",
+    )
     args = ap.parse_args()
     queries = clinc_prompts("train", args.n)  # an even stride through the split ($TOKENROUTER_CLINC: another copy)
     tts = TtsOptions()
@@ -67,6 +73,7 @@ def main() -> None:
         f" these open {share:.0f} % of the replies.",
         *(f"{spelled[k].most_common(1)[0][0]}\t{c}" for k, c in top),
     ]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     print(f"wrote {args.out} in {time.monotonic() - t0:.0f} s")

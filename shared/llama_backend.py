@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 import llama_cpp as lc
 import numpy as np
 
+from shared.kernel_noise import from_environment as kernel_noise_from_environment
 from shared.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,9 @@ class LlamaContext:
         self.embeddings = embeddings
         self._batch = lc.llama_batch_init(n_batch, 0, n_seq)
         self._n_outputs = 0
+        noise = kernel_noise_from_environment()  # tests only (shared/kernel_noise.py); None by default
+        if noise is not None:
+            noise.attach(self)
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         """Append each item's tokens; returns, per item, the output index of its last token.

@@ -20,6 +20,21 @@ QUESTIONS = [
     "what is the capital of france",
     "set a timer for ten minutes",
 ]
+LONG_QUESTIONS = [
+    "explain how vaccines work",
+    "tell me a fun fact about octopuses",
+    "how do you say hello in japanese",
+    "how do i reset my wifi router",
+    "describe how a bicycle works",
+    "what should i pack for a beach holiday",
+    "what is a good recipe for pancakes",
+    "how does a refrigerator keep food cold",
+    "why is the sky blue",
+    "what are some tips for sleeping better",
+]
+"""Questions with long answers, for tests that need hundreds of positions: how long an answer is
+depends on the CPU's kernels (one Xeon wrote 143 tokens to the first five, a Zen 3 196), so such
+a test takes questions until it has its positions, and this list has room for that."""
 
 
 def chat(question: str) -> list[dict]:
@@ -48,3 +63,34 @@ def same_model_server(edge_info):
     """A cloud server running the very GGUF the device runs (for lossless checks)."""
     with LocalCloudServer(model=str(edge_info.path)) as server:
         yield server
+
+
+# --------------------------------------------------------------------------- `make check`'s selection
+
+SLOW_MODULES = {
+    # a browser, audio devices or real-time playback
+    "test_webapp_browser",
+    "test_voice_e2e",
+    # cloud servers on loopback (started by the module's own fixtures or tests)
+    "test_cloud_server",
+    "test_cpus",
+    "test_replay_e2e",
+    "test_routed_decoding",
+    "test_server_engine",
+    "test_server_fuzz",
+    "test_server_hostile",
+    "test_server_loadtest",
+    "test_server_production",
+    "test_server_remote",
+    "test_text_mode",
+}
+SERVER_FIXTURES = {"cloud_server", "same_model_server", "gemma_server", "openai_server", "llama_server"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that needs a cloud server, a browser or an audio device, by its module
+    or its fixtures: `make check` (-m "not slow") runs the rest, the quick loop."""
+    for item in items:
+        module = item.path.stem
+        if module in SLOW_MODULES or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

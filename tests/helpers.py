@@ -7,8 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -17,11 +18,40 @@ from edge_client.cloud_link import CloudLink
 from edge_client.generator import RoutedGenerator
 from edge_client.options import GeneratorOptions
 from shared.decision import TIE_NATS
+from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.model_info import ModelInfo
 from shared.policy import RoutingPolicy
+from shared.protocol import PROTOCOL_VERSION, Hello
 from shared.router import HeuristicRouter, Router
-from tests.conftest import ROOT
+from tests.conftest import ROOT, chat
+
+
+def hello(info: ModelInfo, api_key: str, question: str = "say hi", **fields: Any) -> Hello:
+    """A device's first message for `info`'s model, asking `question`; `fields` set any other
+    Hello field (version, tokenizer, text_mode, ...)."""
+    return Hello(
+        **{
+            "version": PROTOCOL_VERSION,
+            "api_key": api_key,
+            "edge_model": info.fingerprint,
+            "tokenizer": info.tokenizer_fingerprint,
+            "messages": chat(question),
+            **fields,
+        }
+    )
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, poll_s: float = 0.05) -> Any:
+    """Poll `cond` until it returns something truthy or `timeout` passes; returns its last value
+    (so `assert wait_for(...)` fails when time runs out)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll_s)
+    return cond()
 
 
 def make_generator(
@@ -108,11 +138,11 @@ def teacher_forced_logits(info: ModelInfo, messages: list[dict], answer: list[in
         return out
 
 
-def is_greedy_choice(logits: np.ndarray, token: int, tie: float = TIE_NATS + 0.25) -> bool:
+def is_greedy_choice(logits: np.ndarray, token: int, tie: float = TIE_NATS + KERNEL_NOISE_NATS) -> bool:
     """`token` is the argmax of `logits`, or within `tie` of it: a token within TIE_NATS of the
     best counts as the model's own choice (shared/decision.py), and llama.cpp's kernels are not
-    batch-invariant, so teacher forcing here reads logits up to ~0.25 nats off the ones the
-    deciding side saw (scripts/measure_kernel_ties.py)."""
+    batch-invariant, so teacher forcing here reads a margin up to KERNEL_NOISE_NATS off the one
+    the deciding side saw (shared/kernel_noise.py)."""
     return bool(logits[token] >= logits.max() - tie)
 
 
@@ -124,7 +154,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def agree_up_to_a_tie(info: ModelInfo, messages: list[dict], a: list[int], b: list[int], tie: float = 0.5) -> bool:
+def agree_up_to_a_tie(
+    info: ModelInfo, messages: list[dict], a: list[int], b: list[int], tie: float = KERNEL_NOISE_NATS
+) -> bool:
     """Two answers of one model's choosing are the same, or first differ where that model (run
     alone, teacher-forced) finds both tokens within `tie` nats of its best: a near-tie that
     llama.cpp's batch-dependent kernels may break either way, after which the answers go apart."""
@@ -144,7 +176,7 @@ def both_near_best(info: ModelInfo, messages: list[dict], answer: list[int], oth
 
 
 def follow_reference(
-    info: ModelInfo, messages: list[dict], reference: list[int], served: list[int], tie: float = 0.5
+    info: ModelInfo, messages: list[dict], reference: list[int], served: list[int], tie: float = KERNEL_NOISE_NATS
 ) -> list[int]:
     """Check an answer a server wrote so far (`served`) against the model's own greedy `reference`,
     and return the reference to check its next tokens against.
@@ -161,7 +193,12 @@ def follow_reference(
 
 
 def text_agrees_up_to_a_tie(
-    info: ModelInfo, model: LlamaModel, messages: list[dict], answer: list[int], text: bytes, tie: float = 0.5
+    info: ModelInfo,
+    model: LlamaModel,
+    messages: list[dict],
+    answer: list[int],
+    text: bytes,
+    tie: float = KERNEL_NOISE_NATS,
 ) -> bool:
     """`text` spells `answer` (that model's greedy tokens), or departs from it where the model (run
     alone, teacher-forced) finds both its token and the text's own next token (the model's

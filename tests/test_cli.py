@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_ask_json_with_a_local_cloud(tmp_path):
     log_path = tmp_path / "routes.jsonl"
     p = run(

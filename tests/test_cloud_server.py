@@ -19,7 +19,6 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     Generate,
-    Hello,
     Next,
     SamplingParams,
     Sync,
@@ -27,17 +26,7 @@ from shared.protocol import (
     encode,
 )
 from tests.conftest import chat
-from tests.helpers import agree_up_to_a_tie, make_generator, reference_greedy
-
-
-def hello(server: LocalCloudServer, info, key: str | None = None, tokenizer: str | None = None) -> Hello:
-    return Hello(
-        version=PROTOCOL_VERSION,
-        api_key=server.api_key if key is None else key,
-        edge_model=info.fingerprint,
-        tokenizer=info.tokenizer_fingerprint if tokenizer is None else tokenizer,
-        messages=chat("hi"),
-    )
+from tests.helpers import agree_up_to_a_tie, hello, make_generator, reference_greedy
 
 
 def exchange(ws, frame) -> object:
@@ -61,7 +50,7 @@ def test_health_and_info(cloud_server, cloud_info):
 @pytest.mark.parametrize("key", ["", "wrong-key"])
 def test_missing_or_wrong_key_is_rejected(cloud_server, edge_info, key):
     with connect(cloud_server.url) as ws:
-        reply = exchange(ws, encode(hello(cloud_server, edge_info, key=key)))
+        reply = exchange(ws, encode(hello(edge_info, key, "hi")))
     assert reply.type == "reject" and reply.code == ErrorCode.UNAUTHORIZED
     assert "API key" in reply.reason
 
@@ -80,7 +69,7 @@ def test_right_key_is_accepted_and_prompt_matches(cloud_server, edge_info):
 
 def test_vocabulary_mismatch_is_rejected_at_hello(cloud_server, edge_info):
     with connect(cloud_server.url) as ws:
-        reply = exchange(ws, encode(hello(cloud_server, edge_info, tokenizer="sha256:" + "0" * 32)))
+        reply = exchange(ws, encode(hello(edge_info, cloud_server.api_key, "hi", tokenizer="sha256:" + "0" * 32)))
     assert reply.type == "reject" and reply.code == ErrorCode.VOCAB_MISMATCH
     assert "vocabulary" in reply.reason
 
@@ -112,10 +101,10 @@ def test_bad_frames_get_errors_and_the_server_keeps_serving(cloud_server, edge_i
             reply = exchange(ws, frame)
             assert reply.type == "error" and reply.code == code, (frame[:40], reply)
         # the same connection can still open a session; then out-of-order positions are refused
-        assert exchange(ws, encode(hello(cloud_server, edge_info))).type == "accept"
+        assert exchange(ws, encode(hello(edge_info, cloud_server.api_key, "hi"))).type == "accept"
         reply = exchange(ws, encode(Generate(request_id=9, position=3, tokens=[])))
         assert reply.type == "error" and reply.code == ErrorCode.OUT_OF_ORDER and reply.request_id == 9
-        reply = exchange(ws, encode(hello(cloud_server, edge_info)))
+        reply = exchange(ws, encode(hello(edge_info, cloud_server.api_key, "hi")))
         assert reply.type == "error" and reply.code == ErrorCode.OUT_OF_ORDER
     # and a fresh device session is served normally
     edge = LlamaModel(edge_info)
@@ -134,7 +123,7 @@ def test_lookahead_sends_the_next_token_the_cloud_then_writes(cloud_server, edge
     for the following position, which is not in the history (a device token there is accepted)
     and is exactly what a generate at that position writes. A `next` from the device is refused."""
     with connect(cloud_server.url, max_size=None) as ws:
-        accept = exchange(ws, encode(hello(cloud_server, edge_info)))
+        accept = exchange(ws, encode(hello(edge_info, cloud_server.api_key, "hi")))
         n = accept.n_prompt
         tok = exchange(ws, encode(Generate(request_id=1, position=n, tokens=[], lookahead=True)))
         assert tok.type == "tokens" and tok.position == n and tok.final
@@ -158,6 +147,7 @@ def test_lookahead_sends_the_next_token_the_cloud_then_writes(cloud_server, edge
         assert reply.type == "error" and reply.code == ErrorCode.OUT_OF_ORDER
 
 
+@pytest.mark.kernel
 def test_server_killed_mid_answer_device_finishes_and_reconnects(edge_info):
     """kill -9 of the server after five cloud tokens: the device finishes alone (degraded), its
     answer from the fallback point on is the device model's own continuation (nothing lost or

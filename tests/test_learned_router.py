@@ -98,6 +98,7 @@ def test_every_router_gives_a_calibration_prior_and_says_whether_it_reports_drif
     assert learned.drift_report()["router"] == learned.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", ["off", "all"])
 def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info, cloud_info, check):
     """Hard tokens reach the recorder with their hidden state from `generate` (check off) and

@@ -92,6 +92,7 @@ def test_routing_log_is_two_bytes_per_token_and_exports_jsonl():
         list(routing_log.read(data[:-1]))
 
 
+@pytest.mark.kernel
 def test_context_greedy_matches_token_by_token_reference(cloud_info):
     """`LlamaContext.greedy` (used by the replay metrics and the scripts) equals a plain token-by-token
     greedy decode, and stops right after an end-of-generation token."""

@@ -57,6 +57,7 @@ def _greedy(engine: CloudEngine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.mark.kernel
 def test_engine_verify_matches_generation(engine):
     prompt = engine.model.chat_tokens(chat("what is the capital of france"))
     ref = _greedy(engine, prompt, 16)
@@ -85,6 +86,7 @@ def test_engine_verify_matches_generation(engine):
     engine.close(seq)
 
 
+@pytest.mark.kernel
 def test_engine_verify_with_a_tolerance_rejects_only_drafts_too_unlikely_to_the_cloud(engine):
     """With a tolerance every drafted token is checked: one the cloud finds within `tolerance`
     nats of its own choice stands, one beyond it (and beyond a tie) is rolled back and the

@@ -9,10 +9,11 @@ import pytest
 
 from edge_client.generator import RoutedGenerator
 from shared.decision import ClauseEnds
+from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import LlamaModel
 from shared.policy import replay_decisions
 from shared.router import HeuristicRouter, RandomRouter
-from tests.conftest import QUESTIONS, chat
+from tests.conftest import LONG_QUESTIONS, QUESTIONS, chat
 from tests.helpers import first_difference, is_greedy_choice, make_generator, reference_greedy, teacher_forced_logits
 
 MAX_TOKENS = 40
@@ -31,6 +32,7 @@ def answer_tokens(gen: RoutedGenerator, question: str) -> tuple[list[int], list[
     return a.tokens, a.routes
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0])
 def test_lossless_with_same_model_on_both_sides(edge_model, edge_info, same_model_server, threshold):
     """Same GGUF on device and cloud, greedy: routing must not change a single token.
@@ -52,6 +54,7 @@ def test_lossless_with_same_model_on_both_sides(edge_model, edge_info, same_mode
         routed.close()
 
 
+@pytest.mark.kernel
 def test_lossless_with_random_routing_and_multi_turn(edge_model, same_model_server):
     """Random decisions (different each position) and a follow-up turn on the same session."""
     edge_only = make_generator(edge_model, None, mode="edge")
@@ -72,6 +75,7 @@ def test_lossless_with_random_routing_and_multi_turn(edge_model, same_model_serv
         routed.close()
 
 
+@pytest.mark.kernel
 def test_policies_match_each_model_alone(edge_model, edge_info, cloud_info, cloud_server):
     """Default pair: `cloud` = the cloud model's own greedy output, `edge` = the edge model's."""
     cloud_gen = make_generator(edge_model, cloud_server, mode="cloud")
@@ -109,6 +113,7 @@ def test_router_routes_exactly_the_tokens_over_threshold(edge_model, cloud_serve
         gen.close()
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("nats", [0.0, 1.0])
 def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(
     edge_model, edge_info, cloud_info, cloud_server, nats
@@ -117,9 +122,9 @@ def test_lookahead_takes_the_clouds_own_choice_without_a_round_trip(
     cloud's guess, not the router: the device keeps its own token where the cloud finds it at
     most `nats` less likely than the guess, and takes the guess (no round trip) elsewhere.
     Every other position is routed by the threshold as before. Checked against both models run
-    alone over the answer (teacher forcing), with a small tolerance for llama.cpp's
+    alone over the answer (teacher forcing), with KERNEL_NOISE_NATS of tolerance for llama.cpp's
     batch-dependent rounding."""
-    threshold, tol = 0.3, 0.15
+    threshold, tol = 0.3, KERNEL_NOISE_NATS
     gen = make_generator(
         edge_model, cloud_server, threshold=threshold, lookahead=True, lookahead_nats=nats, lookahead_wait_s=5.0
     )  # a guess is never late here
@@ -196,6 +201,7 @@ def _segments(edge: LlamaModel, tokens: list[int], longest: int) -> int:
     return n
 
 
+@pytest.mark.kernel
 def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_model_server):
     """The cloud's check with the same GGUF on both sides, greedy: the cloud accepts every draft,
     so the answer is the device's own token for token, nothing is overruled, flagged drafts count
@@ -215,15 +221,7 @@ def test_check_with_one_model_on_both_sides_changes_nothing(edge_model, same_mod
         edge_only.close()
 
 
-LONG_QUESTIONS = [
-    "explain how vaccines work",
-    "tell me a fun fact about octopuses",
-    "what should i pack for a beach holiday",
-    "how do i reset my wifi router",
-    "describe how a bicycle works",  # answers are shorter on some CPUs: 196 tokens in 4 on a Zen 3 VM
-]
-
-
+@pytest.mark.kernel
 @pytest.mark.parametrize("check, threshold", [("off", 0.0), ("all", 0.5), ("after-first-clause", 0.5)])
 def test_same_model_on_both_sides_changes_nothing_on_long_answers(edge_model, same_model_server, check, threshold):
     """Same GGUF on both sides, greedy, long answers (hundreds of positions, where llama.cpp's
@@ -245,6 +243,8 @@ def test_same_model_on_both_sides_changes_nothing_on_long_answers(edge_model, sa
     try:
         n = 0
         for q in LONG_QUESTIONS:
+            if n >= 200:
+                break
             expected = edge_only.generate(chat(q), max_tokens=96)
             a = gen.generate(chat(q), max_tokens=96)
             assert not a.degraded
@@ -269,17 +269,18 @@ def _check_start(edge: LlamaModel, tokens: list[int], mode: str) -> int:
     return next((i + 2 for i, t in enumerate(tokens) if ends(t)), len(tokens))
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("mode", ["all", "after-first-clause"])
 def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_info, cloud_server, mode):
     """The cloud's check over a real WebSocket with the default pair, checked against both models
-    run alone over the answer (teacher forcing, with a small tolerance for llama.cpp's
+    run alone over the answer (teacher forcing, with KERNEL_NOISE_NATS of tolerance for llama.cpp's
     batch-dependent rounding): where the check covers the answer, a device token is the device's
     own choice, unflagged, and within `check_nats` to the cloud; a cloud token is the cloud's own
     choice, and where the router had not flagged it (overruled), the device's choice was beyond
     `check_nats`. The eval's `+verify` methods assume exactly this rule. With
     "after-first-clause" the first clause and one token more follow the per-token rules
     (router and lookahead guesses, released at once), and the check takes over after them."""
-    nats, tol, threshold = 1.0, 0.15, 0.6
+    nats, tol, threshold = 1.0, KERNEL_NOISE_NATS, 0.6
     gen = make_generator(
         edge_model,
         cloud_server,
@@ -317,9 +318,10 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
                 assert is_greedy_choice(cloud[i], token), f"{q!r} position {i}: not the cloud's own token"
                 if i in a.overruled_positions:
                     assert score < threshold
-                    assert logp.max() - logp[int(np.argmax(own[i]))] > nats - tol, (
-                        f"{q!r} position {i}: overruled without cause"
-                    )
+                    # the overruled draft was the device's choice on its own path: a token within
+                    # the kernels' noise of its best here, and one of those was beyond the tolerance
+                    drafts = np.flatnonzero(own[i] >= own[i].max() - KERNEL_NOISE_NATS)
+                    assert logp.max() - logp[drafts].min() > nats - tol, f"{q!r} position {i}: overruled without cause"
                     overruled += 1
                 else:
                     assert score >= threshold
@@ -479,6 +481,7 @@ def test_slow_cloud_positions_fall_back_without_losing_the_session(edge_model, s
         edge_only.close()
 
 
+@pytest.mark.kernel
 def test_prefill_ahead_of_time_is_exact_and_reaches_the_cloud(edge_model, same_model_server):
     """The voice pipeline prefills from a partial transcript that may still change. After a wrong
     guess the device's cache must hold exactly the real prompt (the first answer position's logits
@@ -520,6 +523,7 @@ def test_prefill_ahead_of_time_is_exact_and_reaches_the_cloud(edge_model, same_m
         routed.close()
 
 
+@pytest.mark.kernel
 def test_complete_prefill_lets_the_answer_start_without_a_decode(edge_model, same_model_server):
     """At the first pause the voice pipeline decodes the whole prompt of its latest guess. When
     the final transcript is that guess, the first answer token needs no decode on either side:

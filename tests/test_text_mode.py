@@ -21,6 +21,7 @@ from edge_client.strategies import Turn
 from edge_client.writer import AnswerWriter
 from models.registry import model_info
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare
+from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import LlamaModel
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -54,10 +55,11 @@ from shared.text_history import (
     span_done,
     starts_word,
 )
-from tests.conftest import chat
+from tests.conftest import LONG_QUESTIONS, chat
 from tests.helpers import (
     agree_up_to_a_tie,
     ask_json,
+    hello,
     make_generator,
     reference_greedy,
     teacher_forced_logits,
@@ -262,16 +264,7 @@ def test_protocol_v3_messages_round_trip_and_are_checked():
 
 
 def _hello(server: LocalCloudServer, info, text_mode: str, question: str = "what is the capital of france") -> str:
-    return encode(
-        Hello(
-            version=PROTOCOL_VERSION,
-            api_key=server.api_key,
-            edge_model=info.fingerprint,
-            tokenizer=info.tokenizer_fingerprint,
-            messages=chat(question),
-            text_mode=text_mode,
-        )
-    )
+    return encode(hello(info, server.api_key, question, text_mode=text_mode))
 
 
 def test_mixed_pair_negotiates_text_mode_and_refuses_it_when_not_offered(gemma_server, edge_info):
@@ -323,6 +316,7 @@ def _span(ws, request_id: int, byte_position: int, text: str = "") -> TextReply:
         assert not isinstance(reply, Error), reply
 
 
+@pytest.mark.kernel
 def test_cloud_rolls_back_across_a_token_boundary(gemma_server, gemma_info, edge_info):
     """After a rollback into the middle of one of its tokens ("...F|rance"), the cloud's span is
     what Gemma alone writes after its own tokens of the cut text: its KV cache dropped the cut
@@ -411,15 +405,7 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
         fresh.close()
 
 
-LONG_QUESTIONS = [
-    "explain how vaccines work",
-    "tell me a fun fact about octopuses",
-    "how do you say hello in japanese",
-    "how do i reset my wifi router",
-    "describe how a bicycle works",  # answers are shorter on some CPUs: 196 tokens in 4 on a Zen 3 VM
-]
-
-
+@pytest.mark.kernel
 @pytest.mark.parametrize("threshold,lookahead", [(0.0, False), (0.5, False), (0.3, True)])
 def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model_server, threshold, lookahead):
     """The same GGUF on both sides, text mode forced (`text_mode="always"`), greedy, long answers:
@@ -436,8 +422,10 @@ def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model
         lookahead=lookahead,
     )
     try:
-        routed = guessed = 0
+        routed = guessed = n = 0
         for q in LONG_QUESTIONS:
+            if n >= 250 and (guessed >= 5 or not lookahead):
+                break
             expected = edge_only.generate(chat(q), max_tokens=80)
             a = gen.generate(chat(q), max_tokens=80)
             assert (
@@ -447,6 +435,7 @@ def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model
             )
             assert a.text == expected.text, q
             assert a.n_tokens == expected.n_tokens
+            n += a.n_tokens
             routed += a.n_cloud_tokens
             guessed += len(a.lookahead_positions)
             if threshold == 0.0:
@@ -458,6 +447,7 @@ def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model
         edge_only.close()
 
 
+@pytest.mark.kernel
 def test_mixed_pair_routes_with_the_clouds_text(edge_model, edge_info, gemma_server, gemma_info):
     """SmolLM2 on the device, Gemma-3 in the cloud: no refusal, text mode, cloud text in the
     answer; with policy `cloud` the answer is exactly Gemma's own greedy text (the seam's space
@@ -484,6 +474,7 @@ def test_mixed_pair_routes_with_the_clouds_text(edge_model, edge_info, gemma_ser
         cloud_gen.close()
 
 
+@pytest.mark.kernel
 def test_the_cloud_base_models_answer_ends_before_the_next_transcript_line(edge_model, gemma_server, gemma_info):
     """Gemma-3 base, run alone, goes on with the transcript ("\\nUser: ..."). Through the cloud
     server (text mode) its answer ends before that line: with policy `cloud` the answer is its own
@@ -515,6 +506,7 @@ def test_the_cloud_base_models_answer_ends_before_the_next_transcript_line(edge_
         cloud_gen.close()
 
 
+@pytest.mark.kernel
 def test_mixed_pair_lookahead_judges_the_devices_bytes_by_the_clouds_guess(edge_model, gemma_server, gemma_info):
     """With lookahead a span brings Gemma's guess for the next position as text, and there the
     guess decides instead of the router: at every such position the released device token's
@@ -546,6 +538,7 @@ def test_mixed_pair_lookahead_judges_the_devices_bytes_by_the_clouds_guess(edge_
         gen.close()
 
 
+@pytest.mark.kernel
 def test_mixed_pair_falls_back_to_the_device_when_the_cloud_is_lost(edge_model, edge_info):
     """kill -9 of the Gemma server right after the first cloud text: the device finishes alone
     (degraded), every later token is its own, the hard positions after the loss are marked as
@@ -702,6 +695,7 @@ def test_text_verify_is_checked(gemma_server, edge_info, same_model_server):
         assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("check", ["all", "after-first-clause"])
 def test_same_model_in_text_mode_is_never_overruled_by_its_check(edge_model, same_model_server, check):
     """The same GGUF on both sides, text mode forced, the cloud's check on: each clause is one
@@ -710,7 +704,10 @@ def test_same_model_in_text_mode_is_never_overruled_by_its_check(edge_model, sam
     edge_only = make_generator(edge_model, None, mode="edge")
     gen = make_generator(edge_model, same_model_server, threshold=0.5, text_mode="always", check=check, timeout_s=10.0)
     try:
+        n = round_trips = 0
         for q in LONG_QUESTIONS:
+            if n >= 200:
+                break
             expected = edge_only.generate(chat(q), max_tokens=80)
             a = gen.generate(chat(q), max_tokens=80)
             assert a.shared_history == "text" and not a.degraded, q
@@ -718,25 +715,34 @@ def test_same_model_in_text_mode_is_never_overruled_by_its_check(edge_model, sam
             assert a.text == expected.text, q
             assert a.overruled_positions == []
             clauses = sum(any(c in p for c in ".,;:!?\n") for p in a.pieces)
-            assert 0 < a.round_trips <= clauses + 80 // gen.opts.check_max_draft + 2, (a.round_trips, clauses)
+            assert a.round_trips <= clauses + 80 // gen.opts.check_max_draft + 2, (a.round_trips, clauses)
+            if check == "all":
+                assert a.round_trips > 0, "every clause is checked, the first too"
+            n, round_trips = n + a.n_tokens, round_trips + a.round_trips
+        assert n >= 200 and round_trips > 0, (n, round_trips)
     finally:
         gen.close()
         edge_only.close()
 
 
+@pytest.mark.kernel
 def test_mixed_pair_checks_each_clause_with_the_clouds_tokens(edge_model, gemma_server, gemma_info):
     """SmolLM2 drafts, Gemma-3 checks the text (the default check after the first clause; then
     `--check all`): not degraded, the mode says the check was used, about one round trip per
     clause, some drafts overruled; and with the check on every position, every Gemma token of the
     final text is within the tolerance of Gemma's own choice, teacher-forced (a kept draft stood
-    within it, a cloud token is its greedy choice; 0.35 nats of kernel slack)."""
+    within it, a cloud token is its greedy choice; KERNEL_NOISE_NATS of kernel slack)."""
     default = make_generator(edge_model, gemma_server, threshold=0.3, check="after-first-clause", timeout_s=10.0)
     every = make_generator(edge_model, gemma_server, threshold=0.3, check="all", timeout_s=10.0)
     gemma = LlamaModel(gemma_info, vocab_only=True)
     view = AnswerText.for_model(gemma)
     try:
         overruled = 0
-        for q in ("explain how vaccines work", "how do you say hello in japanese"):
+        # two questions, then more only until a draft was overruled: which drafts Gemma rejects
+        # depends on the CPU's kernels (none in these two on a Xeon with AVX-512)
+        for k, q in enumerate(["explain how vaccines work", "how do you say hello in japanese", *LONG_QUESTIONS]):
+            if k >= 2 and overruled > 0:
+                break
             a = default.generate(chat(q), max_tokens=64)
             assert a.shared_history == "text" and not a.degraded and a.cloud_mode == "per-token+check"
             assert a.cloud_capabilities == ["generate", "guess", "verify"] and a.round_trips > 2
@@ -749,7 +755,7 @@ def test_mixed_pair_checks_each_clause_with_the_clouds_tokens(edge_model, gemma_
                 tokens = tokens[:-1]  # cut by max_tokens: its last token may be a piece of a word
             logits = teacher_forced_logits(gemma_info, chat(q), tokens)
             worst = max(regret(x, t) for x, t in zip(logits, tokens))
-            assert worst <= every.opts.check_nats + 0.35, (q, a.text, worst)
+            assert worst <= every.opts.check_nats + KERNEL_NOISE_NATS, (q, a.text, worst)
         assert overruled > 0, "Gemma overrules some of SmolLM2's drafts"
     finally:
         gemma.close()
@@ -771,6 +777,7 @@ class _KillingRouter(HeuristicRouter):
         return super().score(hidden, logits, proposed)
 
 
+@pytest.mark.kernel
 def test_mixed_pair_check_falls_back_when_the_cloud_is_lost_mid_check(edge_model, edge_info):
     """kill -9 of the Gemma server while the device drafts a clause for the check: its text_verify
     gets no verdict, the drafts stand, the device finishes alone (degraded), and what follows the

@@ -20,6 +20,7 @@ from models.train.cli import main as train_main
 from models.train.features import entropy_scores, targets
 from models.train.fit import FitOptions, _check_block, fit
 from models.train.label import LabelOptions, is_divergent, label
+from models.train.recheck import recheck
 from models.train.shards import ShardError, load_records, make_records
 from shared.learned_router import N_LOGIT_FEATURES, LearnedRouter, LogitFeaturizer, RouterFile, load_router
 from shared.llama_backend import LlamaModel
@@ -56,6 +57,7 @@ def router_file(labelled, tmp_path_factory):
     return out, report
 
 
+@pytest.mark.kernel
 def test_label_follows_recorded_answers(tmp_path, edge_info):
     """With recorded answers both models read those tokens, not the cloud's greedy ones: a prompt
     gets exactly its answer's positions (the last one an end of turn or not), the cloud's own
@@ -321,39 +323,29 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")
-def test_shipped_router_metrics_match_a_relabelling(tmp_path, edge_info):
+@pytest.mark.kernel
+def test_shipped_router_metrics_match_a_relabelling(edge_info):
     """Re-label the shipped router's check prompts along their recorded answers and score them:
-    the recorded figures must hold.
+    the recorded figures must hold, position by position.
 
-    Both models read the recorded answer (the cloud's greedy answer where it was recorded), so
-    the positions are the same on any CPU. Another CPU or llama.cpp kernel can still flip one
-    near-tie of either model's argmax (one more or one less mismatch), which moves that prompt's
-    mean score by at most 1/n_positions: the tolerance allows that one position and 0.01 of
-    rounding on top."""
+    Both models read the recorded answer, so the positions are the same on any CPU. Another CPU's
+    kernels may still break a near-tie the other way: a position where either model's two best
+    tokens are within the kernels' noise (KERNEL_NOISE_NATS) may flip its mismatch and, through
+    the device's proposed token, its score. Exactly those positions are excused, however many;
+    every other one must match: the mismatch exactly, the score within 0.12 (0.03 on average; the
+    hidden state moves with the kernels: up to 0.08 under `make test-noise`'s harsher noise)."""
     router = load_router(DEFAULT_ROUTER, edge_info)
-    check = router.meta["check"]
-    prompts = [c["prompt"] for c in check["prompts"]]
-    assert all(len(c["answer"]) == c["n_positions"] for c in check["prompts"]), "the answers are recorded"
-    label(
-        prompts,
-        LabelOptions(
-            DEFAULT_EDGE_MODEL,
-            DEFAULT_CLOUD_MODEL,
-            tmp_path,
-            max_tokens=check["max_tokens"],
-            prompts_per_shard=len(prompts),
-            threads=1,
-            progress=False,
-            answers=[c["answer"] for c in check["prompts"]],
-        ),
-    )
-    rec = load_records([tmp_path])
-    scores = router.score_batch(rec["hidden"], rec["logit_feats"], rec["proposed"])
-    for k, c in enumerate(check["prompts"]):
-        sel = rec["prompt_id"] == k
-        assert int(sel.sum()) == c["n_positions"]
-        assert abs(int(rec["mismatch"][sel].sum()) - c["n_mismatch"]) <= 1
-        assert abs(float(scores[sel].mean()) - c["mean_score"]) < 0.01 + 1.0 / c["n_positions"]
+    recorded = router.meta["check"]["prompts"]
+    assert all(len(c["answer"]) == c["n_positions"] == len(c["mismatch"]) == len(c["scores"]) for c in recorded)
+    checks = recheck(DEFAULT_ROUTER, DEFAULT_EDGE_MODEL, DEFAULT_CLOUD_MODEL)
+    n_held = sum(int((~here.near_tie).sum()) for here in checks)
+    assert n_held >= sum(c["n_positions"] for c in recorded) // 3, "most positions are held strictly"
+    for c, here in zip(recorded, checks):
+        assert len(here.mismatch) == c["n_positions"]
+        held = ~here.near_tie
+        assert (here.mismatch[held] == np.array(c["mismatch"])[held]).all(), (c["prompt"], np.flatnonzero(held))
+        diff = np.abs(here.scores[held] - np.array(c["scores"])[held])
+        assert diff.max() < 0.12 and diff.mean() < 0.03, (c["prompt"], diff.max(), diff.mean())
     m = router.meta["metrics"]
     assert m["auc_divergent"] > m["entropy_auc_divergent"], (
         "the shipped router must rank divergent tokens better than entropy"
@@ -392,6 +384,7 @@ def test_soft_regret_label_and_regret_early_stopping(labelled, tmp_path):
     assert report["metrics"]["label"] == "soft-regret" and load_router(out).meta["label"] == "soft-regret"
 
 
+@pytest.mark.kernel
 def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_path, edge_info):
     """`label --routed-by`: each prompt is decoded as the router would route it. Routing everything
     must reproduce the cloud-path labelling; routing nothing must follow the device's own greedy

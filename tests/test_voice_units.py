@@ -309,7 +309,9 @@ print(json.dumps({"default": default, "one": one, "idle_one": idle_one, "back": 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["default"] >= 1 and r["one"] == 1 and r["back"] == r["default"]
-    assert r["idle_one"] < 0.03, r  # seconds of CPU in 0.3 s of sleep (one spinning worker: ~0.1)
+    # seconds of CPU in 0.3 s of sleep: one spinning worker takes ~0.1; the interpreter's own
+    # threads took up to 0.031 on a busy 2-core Xeon (AVX-512), so the bar sits halfway
+    assert r["idle_one"] < 0.05, r
     from edge_client.voice.blas import limit_blas_threads
 
     with pytest.raises(ValueError, match="BLAS threads must be >= 0"):

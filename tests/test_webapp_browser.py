@@ -36,7 +36,7 @@ from edge_client.webapp.server import AppServer
 from edge_client.webapp.settings import SettingsStore
 
 ROOT = Path(__file__).resolve().parents[1]
-SCREENSHOT = ROOT / "docs" / "app.png"
+SCREENSHOT = ROOT / "build" / "screenshots" / "app.png"  # `make screenshot` copies it to docs/app.png
 QUESTION = "Tell me about the history of Rome."
 CHAIN = ["speech_end", "asr_final", "llm_first_token", "first_clause_ready", "tts_first_audio", "first_audio_out"]
 LONG_ANSWERS = "You are a helpful voice assistant. Answer in detail, in many long sentences."
@@ -181,6 +181,21 @@ def turns_done(core: AppCore, n: int) -> Callable[[], bool]:
     return lambda: core.active is not None and len(core.active.turns) >= n
 
 
+def git_status() -> str | None:
+    """`git status --porcelain` of the checkout, or None where it is not a git checkout."""
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else None
+
+
+TREE_BEFORE: dict[str, str | None] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tree_before():
+    """The checkout's state before this module's first test (compared by the module's last test)."""
+    TREE_BEFORE["status"] = git_status()
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """The app's core, loaded once (models, loopback cloud), served on loopback like `tokenrouter-edge app`."""
@@ -222,7 +237,8 @@ def fresh_dialogue(app):
 
 def test_spoken_question_answered_in_the_page(app, tmp_path):
     """Speech in through the page's microphone; the transcript, the routed answer with cloud tokens marked,
-    the reply audio played by the page, the waterfall and the history all shown; a screenshot for docs/."""
+    the reply audio played by the page, the waterfall and the history all shown; a screenshot under build/
+    (`make screenshot` puts it in docs/: tests never change tracked files)."""
     core, srv = app
     q = spoken_wav(core.engines.synth, QUESTION, tmp_path / "q.wav", lead_s=1.0, tail_s=4.0)
     with chromium(srv.url, q) as d:
@@ -252,7 +268,7 @@ def test_spoken_question_answered_in_the_page(app, tmp_path):
         assert attr(d, "#cloud-badge", "data-state") == "connected"
         assert int(texts(d, "#round-trips")[0]) == a.round_trips > 0
         assert texts(d, "#memory .msg") == [done.transcript, done.spoken_text]
-        SCREENSHOT.parent.mkdir(exist_ok=True)
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         d.save_screenshot(str(SCREENSHOT))
 
 
@@ -591,3 +607,11 @@ def test_the_command_serves_the_page_and_quits_on_ctrl_c(tmp_path):
         if p.poll() is None:
             p.kill()
     assert not cfg.exists()
+
+
+def test_the_browser_tests_leave_the_checkout_as_they_found_it():
+    """Tests never change tracked files: the screenshot and every other output go under build/
+    (ignored), so `git status --porcelain` is what it was before this module's first test."""
+    if TREE_BEFORE.get("status") is None:
+        pytest.skip("not a git checkout")
+    assert git_status() == TREE_BEFORE["status"]

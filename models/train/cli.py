@@ -25,6 +25,7 @@ from models.train.evaluate import EvalOptions, evaluate, plot, write_json
 from models.train.fit import FitOptions, fit
 from models.train.label import LabelOptions, label
 from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
+from models.train.recheck import rerecord
 from models.train.report import write_report
 from models.train.text_eval import TextEvalOptions, evaluate_text
 from shared.decision import TIE_NATS
@@ -32,6 +33,9 @@ from shared.decision import TIE_NATS
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROUTERS_DIR = REPO_ROOT / "models" / "routers"
 DEFAULT_ROUTER = ROUTERS_DIR / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}.npz"
+BUILD_DIR = REPO_ROOT / "build" / "train"
+"""Where the tools write unless told otherwise (ignored by git): a fit never overwrites a shipped
+router by default; ship one with `--out models/routers/EDGE__CLOUD.npz`."""
 
 
 def pair_router(edge_model: str, cloud_model: str) -> Path:
@@ -105,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--val", nargs="*", default=[], help="validation shards (default: hold out 15%% of training prompts)"
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
+    p.add_argument("--out", type=Path, default=BUILD_DIR / "router.npz", help="default: build/train/router.npz")
     p.add_argument(
         "--label",
         default="regret",
@@ -140,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the learned router (default: the shipped one for the pair, models/routers/EDGE__CLOUD.npz)",
     )
-    p.add_argument("--out", type=Path, default=Path("eval"), help="writes OUT.json and OUT.png")
+    p.add_argument(
+        "--out", type=Path, default=BUILD_DIR / "eval", help="writes OUT.json and OUT.png (default: build/train/eval)"
+    )
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=2, help="prompts decoded together (29 configurations each)")
@@ -220,9 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt format of --cloud-engine: ids (vLLM, SGLang) or text (llama-cpp-python's server)",
     )
 
+    p = sub.add_parser(
+        "recheck", help="re-record a router file's check block on this machine (weights unchanged; tests/test_train.py)"
+    )
+    p.add_argument("router", type=Path, nargs="?", default=DEFAULT_ROUTER, help="default: the shipped router")
+    p.add_argument("--out", type=Path, default=BUILD_DIR / "recheck" / DEFAULT_ROUTER.name)
+    p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
+    p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
+
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
-    p.add_argument("--out", type=Path, default=DEFAULT_ROUTER)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=BUILD_DIR / DEFAULT_ROUTER.name,
+        help=f"default: build/train/{DEFAULT_ROUTER.name} (the shipped one is {DEFAULT_ROUTER.relative_to(REPO_ROOT)})",
+    )
     p.add_argument("--threads", type=int, default=1)
     return ap
 
@@ -370,6 +389,15 @@ def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> 
     print(f"wrote {args.out.with_suffix('.json')}")
 
 
+def cmd_recheck(args: argparse.Namespace) -> None:
+    block = rerecord(args.router, args.out, args.edge_model, args.cloud_model)
+    for c in block["prompts"]:
+        print(
+            f"{c['prompt']!r}: {c['n_positions']} positions, {c['n_mismatch']} mismatches, mean score {c['mean_score']}"
+        )
+    print(f"wrote {args.out}")
+
+
 def cmd_reproduce(args: argparse.Namespace) -> None:
     work = args.work or cache_dir() / "labels" / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}"
     t0 = time.perf_counter()
@@ -417,7 +445,14 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        {"label": cmd_label, "fit": cmd_fit, "eval": cmd_eval, "reproduce": cmd_reproduce}[args.command](args)
+        commands = {
+            "label": cmd_label,
+            "fit": cmd_fit,
+            "eval": cmd_eval,
+            "recheck": cmd_recheck,
+            "reproduce": cmd_reproduce,
+        }
+        commands[args.command](args)
     except (ValueError, FileNotFoundError, ModelNotFoundError) as exc:
         sys.exit(f"tokenrouter-train {args.command}: {exc}")
 

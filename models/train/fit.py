@@ -254,7 +254,9 @@ def _check_block(rec: Records, scores: np.ndarray, n_prompts: int = 3) -> dict[s
 
     On the cloud's path of one vocabulary each prompt's answer (the cloud's tokens) is recorded
     too, so the re-labelling can follow it (`LabelOptions.answers`) rather than the cloud's
-    greedy answer on another CPU, which a near-tie can send elsewhere."""
+    greedy answer on another CPU, which a near-tie can send elsewhere; and so are each
+    position's mismatch and score, so that the test can excuse exactly the positions where this
+    CPU's kernels may break a near-tie the other way and hold every other one strictly."""
     prompts = rec.meta.get("prompts", [])[:n_prompts]
     first = int(rec.meta.get("first_prompt_id", 0))
     cloud_path = rec.meta.get("path", "cloud") == "cloud" and "label_space" not in rec.meta
@@ -270,6 +272,8 @@ def _check_block(rec: Records, scores: np.ndarray, n_prompts: int = 3) -> dict[s
         if cloud_path:
             order = np.argsort(rec["position"][sel], kind="stable")
             block["answer"] = [int(t) for t in rec["cloud_token"][sel][order]]
+            block["mismatch"] = [int(m) for m in rec["mismatch"][sel][order]]
+            block["scores"] = [round(float(x), 4) for x in scores[sel][order]]
         out.append(block)
     return {"prompts": out, "max_tokens": rec.meta.get("max_tokens"), "system_prompt": rec.meta.get("system_prompt")}
 
