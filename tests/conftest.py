@@ -14,6 +14,7 @@ if str(ROOT) not in sys.path:
 from cloud_server.local import LocalCloudServer  # noqa: E402
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info  # noqa: E402
 
+GEMMA = "gemma3-270m"
 SYSTEM = "You are a helpful voice assistant. Answer briefly, in one or two sentences."
 QUESTIONS = [
     "how do you say hello in japanese",
@@ -55,6 +56,18 @@ def cloud_info():
 def cloud_server():
     """The default cloud model (SmolLM2 Q4_1) served on loopback, with an API key."""
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gemma_info():
+    return model_info(GEMMA)
+
+
+@pytest.fixture(scope="session")
+def gemma_server():
+    """A cloud with another vocabulary (Gemma-3-270M base): the mixed pair, text mode."""
+    with LocalCloudServer(model=GEMMA) as server:
         yield server
 
 

@@ -56,7 +56,7 @@ def _allowed(pid: int) -> dict[int, str]:
     return out
 
 
-def test_a_pinned_loopback_server_and_all_its_threads_run_on_its_cpus_only() -> None:
+def test_a_pinned_loopback_server_and_all_its_threads_run_on_its_cpus_only(cloud_server) -> None:
     cpu = max(os.sched_getaffinity(0))  # the last core: a benchmark gives the device the first ones
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, cpus=str(cpu)) as server:
         assert server.proc is not None
@@ -65,10 +65,9 @@ def test_a_pinned_loopback_server_and_all_its_threads_run_on_its_cpus_only() -> 
         assert set(threads.values()) == {str(cpu)}, threads
         with urllib.request.urlopen(server.http_url + "/healthz", timeout=10) as r:
             assert r.status == 200  # and it serves
-    if len(os.sched_getaffinity(0)) > 1:  # without the option it may run anywhere this process may
-        with LocalCloudServer(model=DEFAULT_CLOUD_MODEL) as server:
-            assert server.proc is not None
-            assert set(_allowed(server.proc.pid).values()) == {format_cpus(os.sched_getaffinity(0))}
+    if len(os.sched_getaffinity(0)) > 1:  # without the option (the shared server) it may run anywhere this process may
+        assert cloud_server.proc is not None
+        assert set(_allowed(cloud_server.proc.pid).values()) == {format_cpus(os.sched_getaffinity(0))}
 
 
 def test_the_server_refuses_a_cpu_it_cannot_use_before_loading_a_model() -> None:

@@ -24,7 +24,8 @@ from shared.router import HeuristicRouter, RandomRouter
 from tests.conftest import chat
 
 pytestmark = pytest.mark.skipif(
-    not DEFAULT_ROUTER.is_file(), reason="no shipped router; run `python -m models.train.cli reproduce`"
+    not DEFAULT_ROUTER.is_file(),
+    reason="no shipped router; run `tokenrouter-train reproduce --out models/routers/<pair>.npz`",
 )
 
 

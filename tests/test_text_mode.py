@@ -19,7 +19,6 @@ from edge_client.answer import Answer
 from edge_client.cloud_link import CloudLink, CloudRejected, CloudText
 from edge_client.strategies import Turn
 from edge_client.writer import AnswerWriter
-from models.registry import model_info
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare
 from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import LlamaModel
@@ -55,7 +54,7 @@ from shared.text_history import (
     span_done,
     starts_word,
 )
-from tests.conftest import LONG_QUESTIONS, chat
+from tests.conftest import GEMMA, LONG_QUESTIONS, chat
 from tests.helpers import (
     agree_up_to_a_tie,
     ask_json,
@@ -66,8 +65,6 @@ from tests.helpers import (
     text_agrees_up_to_a_tie,
 )
 
-GEMMA = "gemma3-270m"
-
 
 @pytest.fixture(scope="module")
 def edge_model(edge_info):
@@ -77,23 +74,12 @@ def edge_model(edge_info):
 
 
 @pytest.fixture(scope="module")
-def gemma_info():
-    return model_info(GEMMA)
-
-
-@pytest.fixture(scope="module")
 def views(edge_info, gemma_info):
     """(SmolLM2's view, Gemma's view) of answer text: tokenizers only."""
     smol, gemma = LlamaModel(edge_info, vocab_only=True), LlamaModel(gemma_info, vocab_only=True)
     yield smol, AnswerText.for_model(smol), gemma, AnswerText.for_model(gemma)
     smol.close()
     gemma.close()
-
-
-@pytest.fixture(scope="module")
-def gemma_server():
-    with LocalCloudServer(model=GEMMA) as server:
-        yield server
 
 
 def pieces(model: LlamaModel, tokens: list[int]) -> list[bytes]:
