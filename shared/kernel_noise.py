@@ -11,8 +11,10 @@ below are its largest figures, with a margin.
 (and in every server or CLI it starts, which inherit the variable) add seeded noise of that size
 to each logit and hidden state it reads, as another CPU's kernels would. The kernel-sensitive
 tests (`pytest -m kernel`) must pass under several seeds: then they do not depend on how a CPU
-rounds. The noise is a function of (seed, position, token, batched or not), so a state reads the
-same twice, and a batched and a one-token decode of one history differ, as on real hardware.
+rounds. The noise is a function of (seed, position, token): a state reads the same twice, and
+the batched and one-token reads of one position move together, as they do from one CPU to
+another. What still differs between those two paths is this machine's own kernels: noise keyed on
+the path as well would add a second difference on top of the real one, more than any CPU shows.
 
 Off by default: `LlamaContext` asks `from_environment()` once, at construction, and with the
 variable unset nothing is wrapped; the product's per-token read path is untouched.
@@ -58,7 +60,7 @@ class KernelNoise:
         """Wrap a `shared.llama_backend.LlamaContext`'s decode and read methods (as instance
         attributes) so that every read of an output carries this noise. Outputs are keyed by their
         batch index, as llama.cpp's are. (Typed Any: llama_backend imports this module.)"""
-        outputs: dict[int, tuple[int, int, bool]] = {}  # batch index -> (position, token, batched)
+        outputs: dict[int, tuple[int, int]] = {}  # batch index -> (position, token)
         reads: dict[tuple[int, int], np.ndarray] = {}  # (kind, batch index) -> noisy copy
         run, decode_one, decode_outputs = ctx._run, ctx.decode_one, ctx.decode_outputs
         logits, hidden = ctx.logits, ctx.hidden
@@ -71,28 +73,26 @@ class KernelNoise:
             run(rows, n_out)
             forget()
             for j in range(len(rows) - n_out, len(rows)):
-                outputs[j] = (rows[j][1], rows[j][2], len(rows) > 1)
+                outputs[j] = (rows[j][1], rows[j][2])
 
         def noisy_decode_one(seq: int, pos: int, token: int) -> None:
             decode_one(seq, pos, token)
             forget()
-            outputs[0] = (pos, token, False)
+            outputs[0] = (pos, token)
 
         def noisy_decode_outputs(item: Any, offsets: Sequence[int]) -> list[int]:
             got = decode_outputs(item, offsets)
             forget()
-            n = len(item.tokens)
-            batched = n - max(0, n - ctx.n_batch) > 1
             for o, j in zip(offsets, got):
-                outputs[j] = (item.pos + o, item.tokens[o], batched)
+                outputs[j] = (item.pos + o, item.tokens[o])
             return got
 
         def read(kind: int, i: int, base: Callable[[int], np.ndarray], scale: float) -> np.ndarray:
             got = reads.get((kind, i))
             if got is None:
                 clean = base(i)
-                pos, token, batched = outputs.get(i, (-1, -1, True))
-                rng = np.random.default_rng([self.seed, kind, pos + 1, token + 1, int(batched)])
+                pos, token = outputs.get(i, (-1, -1))
+                rng = np.random.default_rng([self.seed, kind, pos + 1, token + 1])
                 got = clean + rng.uniform(-scale / 2, scale / 2, clean.shape).astype(clean.dtype)
                 reads[(kind, i)] = got
             return got
