@@ -293,7 +293,11 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
     )
     try:
         kept_lenient = overruled = flagged = 0
-        for q in QUESTIONS:
+        # the shared questions, then more only until each outcome was seen (which drafts are
+        # flagged, kept or overruled depends on the CPU's kernels)
+        for q in QUESTIONS + LONG_QUESTIONS:
+            if q not in QUESTIONS and overruled and kept_lenient and (flagged or mode != "all"):
+                break
             heard: list = []
             a = gen.generate(chat(q), max_tokens=32, on_token=heard.append)
             assert not a.degraded

@@ -741,10 +741,10 @@ def test_mixed_pair_checks_each_clause_with_the_clouds_tokens(edge_model, gemma_
                 break
             a = default.generate(chat(q), max_tokens=64)
             assert a.shared_history == "text" and not a.degraded and a.cloud_mode == "per-token+check"
-            assert a.cloud_capabilities == ["generate", "guess", "verify"] and a.round_trips > 2
+            assert a.cloud_capabilities == ["generate", "guess", "verify"] and a.round_trips >= 1
             overruled += len(a.overruled_positions)
             a = every.generate(chat(q), max_tokens=48)
-            assert not a.degraded and a.cloud_mode == "check" and a.round_trips > 2
+            assert not a.degraded and a.cloud_mode == "check" and a.round_trips >= 1
             overruled += len(a.overruled_positions)
             tokens = view.tokens(a.text.encode())
             if a.finish_reason != "stop":
