@@ -7,21 +7,26 @@
 
 Limits enforced per connection here, before a message reaches the protocol
 state machine: frame size (uvicorn's ws_max_size and our own check), message
-rate (token bucket), idle time, slow readers (a send that cannot complete in
-send_timeout_s closes the connection; until then the session's own generation
-waits, so its output is never buffered without bound).
+rate (token bucket), idle time, slow readers: a send budget (`_SendBudget`) in
+bytes and time closes a connection whose unread replies pass
+max_send_queue_bytes, or whose oldest unread reply is older than send_timeout_s
+(a send that blocks that long ends it too), so its output is never buffered
+without bound.
 
 Whatever ends a connection, the session is freed first (its KV cells at once),
 then a farewell and a close frame are sent within CLOSE_GRACE_S, else the
 connection is aborted. An unexpected exception closes only its own session
-(close code 1011) and logs at most one traceback per TRACEBACK_EVERY_S.
+(close code 1011) and logs at most one traceback per TRACEBACK_EVERY_S, the
+limit every logged traceback of the process shares (cloud_server/logs.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
+from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -32,6 +37,7 @@ from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
 from cloud_server.engine import CloudEngine
 from cloud_server.engine_api import Worker
+from cloud_server.logs import ADMITTED, TRACEBACK_EVERY_S, TRACEBACKS, TracebackLimit
 from cloud_server.metrics import ServerMetrics
 from cloud_server.quotas import KeyPolicy, Quotas
 from cloud_server.remote_engine import RemoteEngine, RemoteWorker
@@ -55,13 +61,20 @@ from shared.protocol import (
 
 log = logging.getLogger(__name__)
 
+try:  # the bytes a socket holds unacknowledged (Linux: SIOCOUTQ); elsewhere the transport's buffer alone
+    import fcntl
+    import termios
+
+    _OUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):  # pragma: no cover - not Linux
+    _OUTQ = None
+
 WS_PATH = "/v1/route"
 POLICY_VIOLATION = 1008
 GOING_AWAY = 1001
 INTERNAL_ERROR = 1011
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes, 2 of them the code
 CLOSE_GRACE_S = 1.0  # how long a farewell and the close frame may wait for room in the send buffer
-TRACEBACK_EVERY_S = 10.0  # at most one traceback per this many seconds, server-wide (the rest are counted)
 
 
 def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Worker:
@@ -93,7 +106,12 @@ def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Worker:
         kv_layout=config.kv_layout,
         n_gpu_layers=config.n_gpu_layers,
     )
-    return EngineWorker(engine, max_batch_tokens=config.max_batch_tokens, observer=metrics)
+    return EngineWorker(
+        engine,
+        max_batch_tokens=config.max_batch_tokens,
+        observer=metrics,
+        session_tokens=config.max_session_step_tokens,
+    )
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -102,6 +120,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         max_sessions=config.key_max_sessions,
         tokens_per_minute=config.key_tokens_per_minute,
         max_cloud_fraction=config.key_max_cloud_fraction,
+        kv_churn_per_minute=config.key_kv_churn_per_minute,
     )
     keys = KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
     info = model_info(config.model)
@@ -149,22 +168,27 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    failures = _FailureLog(TRACEBACK_EVERY_S)
+    failures = _FailureLog(limit=TRACEBACKS)
     app.add_middleware(_TransportAccess)
 
     @app.websocket(WS_PATH)
     async def route(ws: WebSocket) -> None:
         await ws.accept()
         metrics.connections.inc()
+        budget = _SendBudget(ws.scope.get(_TRANSPORT), config.max_send_queue_bytes, config.send_timeout_s)
 
         async def send(msg: Message) -> None:
             frame = encode(msg)
             coro = ws.send_text(frame) if isinstance(frame, str) else ws.send_bytes(frame)
             try:
                 await asyncio.wait_for(coro, config.send_timeout_s)
+                # frames are ASCII JSON (or bytes): len is their size. A device behind waits here, its session too
+                overdrawn = budget.sent(len(frame)) or await budget.settle()
             except asyncio.TimeoutError:
+                overdrawn = f"slow reader: a send blocked for {config.send_timeout_s:g} s"
+            if overdrawn:
                 metrics.rejections.labels("slow_reader").inc()
-                raise _SlowReader(f"slow reader: read nothing for {config.send_timeout_s:g} s") from None
+                raise _SlowReader(overdrawn)
 
         conn = Connection(worker, config, keys, info, send, services)
         limiter = _RateLimit(config.max_messages_per_s)
@@ -204,6 +228,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                         break
         except _SlowReader as slow:  # nothing more can be written: free the session now, then drop the socket
             close = (POLICY_VIOLATION, str(slow))
+            await conn.demote()  # engine time for replies nobody reads: its key waits behind the others
         except ConnectionDone as done:
             close = (1000, str(done))
         except WebSocketDisconnect:
@@ -248,29 +273,88 @@ class _RateLimit:
 
 
 class _SlowReader(ConnectionDone):
-    """A send did not complete within send_timeout_s: the device reads nothing."""
+    """The device reads too little: its unread replies passed the send budget, or a send blocked."""
+
+
+class _SendBudget:
+    """What one connection has queued for the device and the device has not taken yet, in bytes and time.
+
+    Why: a send only blocks once uvicorn's write buffer (64 KiB) and the kernel's send buffer are
+    full, and Linux grows the latter to megabytes; a client that never reads while asking for long
+    answers was streamed 300 KB and held for 40 s without any send blocking. So after each send the
+    queue is measured (the transport's buffer plus the socket's unacknowledged bytes, SIOCOUTQ) and
+    the connection closes once it passes `max_bytes`, or once its oldest frame still queued is older
+    than `max_age_s`. Before that, past `PAUSE_BYTES` (or half the budget) the session waits for the
+    device to catch up (`settle`): a device that reads nothing gets no more engine time for replies
+    nobody reads. Cheap: one ioctl per reply, and a deque of the frames not yet delivered."""
+
+    _HEADER = 10  # a WebSocket frame header's most bytes (server frames are not masked)
+    PAUSE_BYTES = 16384  # unread bytes past which the session waits for the device (replies are ~150 bytes)
+    POLL_S = 0.02
+
+    def __init__(self, transport: Any, max_bytes: int, max_age_s: float) -> None:
+        self.transport = transport
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        self._fd = sock.fileno() if sock is not None and _OUTQ is not None else -1
+        self._total = 0  # bytes handed to the transport so far
+        self._frames: deque[tuple[int, float]] = deque()  # (end offset, when sent) of frames maybe not delivered
+
+    def queued(self) -> int:
+        """Bytes handed over and not yet acknowledged by the device's TCP stack."""
+        n = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        if self._fd >= 0:
+            try:
+                n += struct.unpack("i", fcntl.ioctl(self._fd, _OUTQ, b"\0\0\0\0"))[0]
+            except OSError:  # not Linux, or the socket is gone: the transport's buffer alone
+                pass
+        return n
+
+    def sent(self, n_bytes: int) -> str:
+        """A frame of `n_bytes` was handed over: "" while within the budget, else why it is overdrawn."""
+        self._total += n_bytes + self._HEADER
+        self._frames.append((self._total, time.monotonic()))
+        return self.overdrawn()
+
+    async def settle(self) -> str:
+        """Wait while the device has more than PAUSE_BYTES (or half the budget) unread: "" once it caught
+        up, else why the budget ran out meanwhile."""
+        pause = min(self.PAUSE_BYTES, self.max_bytes // 2)
+        while (why := self.overdrawn()) == "" and self.queued() > pause:
+            await asyncio.sleep(self.POLL_S)
+        return why
+
+    def overdrawn(self) -> str:
+        """ "" while within the budget, else why not (the bytes unread, or the age of the oldest)."""
+        now = time.monotonic()
+        queued = self.queued()
+        while self._frames and self._frames[0][0] <= self._total - queued:
+            self._frames.popleft()
+        if queued > self.max_bytes:
+            return f"slow reader: {queued} bytes of replies unread, over the limit of {self.max_bytes}"
+        if self._frames and now - self._frames[0][1] > self.max_age_s:
+            return f"slow reader: a reply unread for {now - self._frames[0][1]:.0f} s (limit {self.max_age_s:g} s)"
+        return ""
 
 
 class _FailureLog:
-    """At most one traceback per `every_s` seconds server-wide; the others are counted and the count
-    is reported with the next one. Why: a client that can make its session fail must not be able
-    to flood the log (50 such connections once wrote 44 KB of tracebacks in 0.2 s)."""
+    """At most one traceback per interval server-wide (a `TracebackLimit`, by default the process's own,
+    which every logged traceback shares); the others are counted and the count is reported with the
+    next one. Why: a client that can make its session fail must not be able to flood the log (50 such
+    connections once wrote 44 KB of tracebacks in 0.2 s)."""
 
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
-        self.suppressed = 0
-        self._last = -float("inf")
+    def __init__(self, every_s: float | None = None, limit: TracebackLimit | None = None) -> None:
+        self.limit = limit or TracebackLimit(every_s if every_s is not None else TRACEBACK_EVERY_S)
 
     def report(self, what: str) -> None:
-        """Log the exception being handled, if no traceback was logged in the last `every_s` seconds."""
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self.suppressed += 1
+        """Log the exception being handled, if the limit admits a traceback now."""
+        n = self.limit.admit()
+        if n is None:
             log.debug("%s failed (traceback not repeated)", what)
             return
-        self._last, n, self.suppressed = now, self.suppressed, 0
         more = f" ({n} more failures since the last traceback)" if n else ""
-        log.error("%s failed; the session is closed%s", what, more, exc_info=True)
+        log.error("%s failed; the session is closed%s", what, more, exc_info=True, extra={ADMITTED: True})
 
 
 _TRANSPORT = "tokenrouter.transport"

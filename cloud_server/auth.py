@@ -10,6 +10,7 @@ from pathlib import Path
 from cloud_server.quotas import KeyPolicy
 
 ENV_VAR = "TOKENROUTER_API_KEYS"
+_LIMITS = ("max_sessions", "tokens_per_minute", "max_cloud_fraction", "kv_churn_per_minute")  # KeyPolicy's limits
 
 
 def digest(key: str) -> str:
@@ -30,7 +31,8 @@ def load_keys(path: str | None) -> list[str]:
 
 
 def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
-    """'KEY [name=N] [max_sessions=N] [tokens_per_minute=N] [max_cloud_fraction=F]' -> (digest, policy)."""
+    """'KEY [name=N] [max_sessions=N] [tokens_per_minute=N] [max_cloud_fraction=F] [kv_churn_per_minute=N]'
+    -> (digest, policy)."""
     key, *opts = line.split()
     d = key if key.startswith("sha256:") else digest(key)
     fields: dict[str, object] = {"name": "key-" + d[7:15]}
@@ -39,7 +41,7 @@ def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
         try:
             if name == "name" and sep:
                 fields["name"] = value
-            elif name in ("max_sessions", "tokens_per_minute") and sep:
+            elif name in ("max_sessions", "tokens_per_minute", "kv_churn_per_minute") and sep:
                 fields[name] = int(value)
             elif name == "max_cloud_fraction" and sep:
                 fields[name] = float(value)
@@ -47,9 +49,10 @@ def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
                 raise ValueError
         except ValueError:
             raise ValueError(
-                f"API key entry {fields['name']}: bad option {opt!r}; use name=, max_sessions=, tokens_per_minute= or max_cloud_fraction="
+                f"API key entry {fields['name']}: bad option {opt!r}; use name=, max_sessions=, tokens_per_minute=, "
+                "max_cloud_fraction= or kv_churn_per_minute="
             ) from None
-    base = {f: getattr(default, f) for f in ("max_sessions", "tokens_per_minute", "max_cloud_fraction")}
+    base = {f: getattr(default, f) for f in _LIMITS}
     base.update(fields)
     return d, KeyPolicy(**base)  # type: ignore[arg-type]
 
@@ -80,6 +83,6 @@ class KeyChecker:
         if found is None and self.insecure:
             return KeyPolicy(
                 name="anonymous",
-                **{f: getattr(self.default, f) for f in ("max_sessions", "tokens_per_minute", "max_cloud_fraction")},
+                **{f: getattr(self.default, f) for f in _LIMITS},
             )
         return found

@@ -12,11 +12,12 @@ import asyncio
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
-from cloud_server.engine_api import Engine
+from cloud_server.engine_api import Engine, VerifyResult
 
 PREFILL, GENERATE = "prefill", "generate"
+TURN = "turn"  # a session's turn at the engine for bounded work of its own (a verify's next chunk): `Request.work`
 
 
 class BatchObserver(Protocol):
@@ -36,9 +37,24 @@ class Request:
     future: "asyncio.Future[Any] | concurrent.futures.Future[Any]"
     loop: asyncio.AbstractEventLoop | None
     proposed: int = -1  # generate: the device's proposed token (the tie rule, shared/decision.py); -1: none
+    work: Callable[[], Any] | None = None  # TURN: run on the engine thread once the turn is granted
     t_enqueued: float = field(default_factory=time.perf_counter)
     started: bool = False
     compute_s: float = 0.0  # decode time of every batch this request took part in
+
+
+@dataclass(slots=True)
+class VerifyJob:
+    """A verify under way, judged a chunk of drafts at a time (`CloudEngine.verify_step`): the drafts
+    judged and kept so far are in the history, so an eviction between chunks rebuilds them as usual."""
+
+    tokens: list[int]
+    check: list[int]
+    bonus: bool = False
+    tolerance: float = 0.0
+    base: int = -1  # the history's length when it began (-1: not begun); an error rolls back to it
+    done: int = 0  # drafts judged, kept and appended to the history so far
+    compute_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -69,4 +85,15 @@ class BatchEngine(Engine, Protocol):
     @property
     def n_batch(self) -> int: ...
 
-    def step(self, reqs: list[Request], budget: int) -> StepReport: ...
+    def step(self, reqs: list[Request], budget: int, per_session: int | None = None) -> StepReport:
+        """One batched decode serving `reqs` within `budget` tokens, at most `per_session` of them for
+        one session; a TURN request is granted (done) when its session may run now."""
+        ...
+
+    def verify_step(self, handle: int, job: VerifyJob, max_tokens: int) -> VerifyResult | None:
+        """The next bounded piece of a verify: its verdict when done, else None."""
+        ...
+
+    def abandon_verify(self, handle: int, job: VerifyJob) -> None:
+        """A verify failed partway: the history as before it began."""
+        ...

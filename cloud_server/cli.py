@@ -70,6 +70,13 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per batched decode")
     g.add_argument(
+        "--max-session-step-tokens",
+        type=int,
+        default=d.max_session_step_tokens,
+        help="tokens one session takes of one decode: a long prefill or verify is cut into chunks this size, "
+        "interleaved with other sessions' work (larger: fewer passes for long prompts; smaller: shorter waits)",
+    )
+    g.add_argument(
         "--n-gpu-layers", type=int, default=0, help="offload this many layers to the GPU (CUDA build; -1 = all)"
     )
     g.add_argument(
@@ -88,7 +95,13 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         "--send-timeout-s",
         type=float,
         default=d.send_timeout_s,
-        help="disconnect a device that reads nothing this long",
+        help="disconnect a device whose oldest unread reply is this old (or whose send blocks this long)",
+    )
+    g.add_argument(
+        "--max-send-queue-bytes",
+        type=int,
+        default=d.max_send_queue_bytes,
+        help="disconnect a device that leaves more than this many bytes of replies unread",
     )
     g.add_argument("--key-max-sessions", type=int, default=None, help="default per-key concurrent sessions")
     g.add_argument("--key-tokens-per-minute", type=int, default=None, help="default per-key cloud tokens per minute")
@@ -97,6 +110,13 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="default abuse cap on a session's cloud-token fraction",
+    )
+    g.add_argument(
+        "--key-kv-churn-per-minute",
+        type=int,
+        default=d.key_kv_churn_per_minute,
+        help="default per-key KV cells per minute its sessions may make others recompute by evicting them "
+        "(evict-mode recompute); past it, requests that would evict are refused with busy. 0: no evictions",
     )
     g.add_argument(
         "--abuse-warmup-tokens",
@@ -160,15 +180,18 @@ def main(argv: list[str] | None = None) -> None:
         evict_mode=args.evict_mode,
         max_saved_bytes=args.max_saved_mib << 20,
         max_batch_tokens=args.max_batch_tokens,
+        max_session_step_tokens=args.max_session_step_tokens,
         kv_layout=args.kv_layout,
         n_gpu_layers=args.n_gpu_layers,
         max_tokens_per_request=args.max_tokens_per_request,
         max_messages_per_s=args.max_messages_per_s,
         idle_timeout_s=args.idle_timeout_s,
         send_timeout_s=args.send_timeout_s,
+        max_send_queue_bytes=args.max_send_queue_bytes,
         key_max_sessions=args.key_max_sessions,
         key_tokens_per_minute=args.key_tokens_per_minute,
         key_max_cloud_fraction=args.key_max_cloud_fraction,
+        key_kv_churn_per_minute=args.key_kv_churn_per_minute,
         abuse_warmup_tokens=args.abuse_warmup_tokens,
         audit_dir=args.audit_dir,
         audit_sample_rate=args.audit_sample_rate,
@@ -203,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
             log_level=args.log_level,
             log_config=None,  # uvicorn's loggers go through our handler: one format, no query strings
             ws_max_size=config.max_message_bytes + 4096,  # our own check answers with a clear error first
+            ws_per_message_deflate=False,  # replies are small; a client's deflate would cost CPU and blur the send budget
             ws_ping_interval=20,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,

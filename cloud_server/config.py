@@ -25,6 +25,7 @@ class ServerConfig:
     max_errors_per_connection: int = 32  # then the connection is closed
     idle_timeout_s: float = 300.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a device that reads nothing this long is disconnected (slow reader)
+    max_send_queue_bytes: int = 1 << 20  # bytes queued unread for one connection before it is closed (slow reader)
     threads: int | None = None
     record_dir: str | None = (
         None  # flywheel: record live hard tokens as training shards (off by default; a privacy choice)
@@ -33,7 +34,8 @@ class ServerConfig:
     kv_slots: int | None = None  # sessions holding KV cells at once (default max_sessions, at most 256)
     evict_mode: str = "recompute"  # "recompute" (re-prefill from history) or "save" (KV copied to host memory)
     max_saved_bytes: int = 256 << 20  # host memory for saved KV states
-    max_batch_tokens: int = 512  # tokens per batched decode (fairness: the chunk a long prefill may take)
+    max_batch_tokens: int = 512  # tokens per batched decode
+    max_session_step_tokens: int = 64  # tokens one session takes of one decode: a long prefill's or verify's chunk
     n_gpu_layers: int = 0  # layers offloaded to the GPU (CUDA builds of llama-cpp-python; -1 = all)
     kv_layout: str = "unified"  # "split": each KV slot gets n_ctx / kv_slots cells (much faster with many sessions)
     # limits per connection and per key
@@ -41,6 +43,7 @@ class ServerConfig:
     key_max_sessions: int | None = None  # defaults for keys without their own options
     key_tokens_per_minute: int | None = None
     key_max_cloud_fraction: float | None = None
+    key_kv_churn_per_minute: int | None = 8192  # KV cells a key's sessions may make others recompute per minute
     abuse_warmup_tokens: int = 32
     # audit log
     audit_dir: str | None = None

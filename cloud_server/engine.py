@@ -25,6 +25,20 @@ bitwise) and `verify` judges each draft with `judge_draft`.
 Batch isolation: a batched decode that fails is split in halves and retried,
 down to the request that fails alone; a session whose logits are not finite
 fails alone (its cells are dropped). No other session sees the error.
+
+Fair sharing between keys: short work first. Each session's owner (its API key) has an account at
+the engine (`Usage`): the engine time its sessions used (`vtime`), and whether it asked lately for
+work longer than one chunk (a prefill or verify past the per-session tokens of a step: hundreds of
+drafts, a long text, a history to recompute after churning the KV cache), or whose device left
+replies unread until it was dropped (`demote`). Such a key is heavy for `HEAVY_HOLD_S`. While any light key is at work (a request queued, or one within `ANTICIPATE_S`: a
+device between two hard tokens is thinking, not gone) only light keys are served, and a heavy key
+at most once per `STARVE_S`, so it is slowed, never stopped; among the keys served, those within
+`FAIR_SLICE_S` of engine time of the least-served go first (fair queueing, as Linux's CFS does for
+CPU time; a key back from idle cannot bank the time it was away, nor gain any by opening more
+sessions). A heavy key's sessions take a quarter of the per-session tokens of a step, so a device
+that comes to the engine while they have it waits a short chunk only. No session takes more than
+`per_session` tokens of one step, and a verify is judged `MAX_VERIFY_ROWS` drafts at a time
+(`verify_step`), so the wait for a running step, and the logits buffer a verify needs, stay bounded.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from typing import NoReturn
 import llama_cpp as lc
 import numpy as np
 
-from cloud_server.batch import GENERATE, Request, StepOutcome, StepReport
+from cloud_server.batch import GENERATE, TURN, Request, StepOutcome, StepReport, VerifyJob
 from cloud_server.engine_api import (
     Capabilities,
     EmptyHistory,
@@ -46,6 +60,7 @@ from cloud_server.engine_api import (
     EngineFull,
     GenerateResult,
     NotSupported,
+    Owner,
     VerifyResult,
 )
 from cloud_server.kv_pool import EVICT_MODES, EngineStats, KVPool, Residency
@@ -56,9 +71,34 @@ from shared.protocol import SamplingParams, Work
 from shared.sampling import NO_GUESS, Guess, Sampler, SamplingError, log_softmax_at
 from shared.text_history import AnswerText
 
-__all__ = ["CloudEngine", "EngineStats", "SeqState"]
+__all__ = ["CloudEngine", "EngineStats", "SeqState", "Usage"]
 
 log = logging.getLogger(__name__)
+
+FAIR_SLICE_S = 0.05  # engine seconds a key may run ahead of the least-served key at work
+ANTICIPATE_S = 0.5  # a key that had work queued this recently still counts as at work (a device thinking)
+HEAVY_HOLD_S = 10.0  # a key that asked for work longer than one chunk stays heavy this long
+STARVE_S = 1.0  # a heavy key held back this long gets one turn anyway
+HEAVY_CHUNK = 4  # a heavy key's sessions take 1/HEAVY_CHUNK of the per-session tokens of a step
+MAX_VERIFY_ROWS = 64  # rows (drafts + 1) one piece of a verify decodes: its logits take 64 x n_vocab floats
+
+
+class Usage:
+    """One owner's (API key's) account at the engine, shared by its sessions (module docstring)."""
+
+    def __init__(self) -> None:
+        self.vtime = 0.0  # engine seconds charged (fair queueing)
+        self.last_busy = -float("inf")  # when one of its sessions last had a request queued (monotonic)
+        self.heavy_until = 0.0  # heavy (it asked for work longer than one chunk) until then
+        self.served_at = 0.0  # when it was last given a turn
+        self.sessions = 0
+
+    def heavy(self, now: float) -> bool:
+        return now < self.heavy_until
+
+    def long_work(self, now: float) -> None:
+        """One of its requests needs more than one chunk: heavy for HEAVY_HOLD_S."""
+        self.heavy_until = now + HEAVY_HOLD_S
 
 
 @dataclass(slots=True)
@@ -74,6 +114,11 @@ class SeqState:
     guess: int = -1  # the token announced for the next position (a `next` message), written if asked there
     guess_logprob: float = 0.0
     work: Work = field(default_factory=Work)  # passes and tokens since the session last took them (take_work)
+    use: Usage = field(default_factory=Usage)  # its owner's account at the engine (shared by its sessions)
+
+    def charge(self, seconds: float) -> None:
+        """`seconds` of engine time used by this session, charged to its owner."""
+        self.use.vtime += seconds
 
     def count_pass(self, kind: str, n_tokens: int) -> None:
         """One forward pass that processed `n_tokens` of this session's tokens for `kind` (a Work field)."""
@@ -158,6 +203,8 @@ class CloudEngine:
         self.max_sessions = max_sessions
         self._seqs: dict[int, SeqState] = {}  # by handle
         self._next_handle = 0
+        self._vclock = 0.0  # the least-served busy key's engine time, never decreasing (fair queueing)
+        self._uses: dict[str, Usage] = {}  # by owner name (or "#handle" for a session without an owner)
         self._caps = Capabilities(
             "llama.cpp",
             self.model.n_vocab,
@@ -166,8 +213,9 @@ class CloudEngine:
             max_verify_tokens=self.ctx.n_batch - 1,
             how="embedded llama.cpp: every logit in-process",
             text=True,
+            session_cells=seq_cells,
         )
-        self._answer_text = AnswerText.for_model(self.model)
+        self._answer_text = AnswerText.for_model(self.model, bounded=True)  # text mode refuses long text unread
 
     # ---------------------------------------------------------------- what it is
 
@@ -241,19 +289,32 @@ class CloudEngine:
 
     # ---------------------------------------------------------------- sessions
 
-    def open(self, prompt: list[int], sampling: SamplingParams) -> int:
-        """A new session (no KV cells yet: they are taken when it is first decoded). Returns its handle."""
+    def open(self, prompt: list[int], sampling: SamplingParams, owner: Owner | None = None) -> int:
+        """A new session (no KV cells yet: they are taken when it is first decoded). Returns its handle.
+        `owner`: whose KV churn budget pays for the evictions it causes (cloud_server/kv_pool.py)."""
         if len(self._seqs) >= self.max_sessions:
             raise EngineFull(f"all {self.max_sessions} sessions are in use")
         handle = self._next_handle
         self._next_handle += 1
-        self._seqs[handle] = SeqState(self.pool.add(handle), list(prompt), Sampler(sampling))
+        key = owner.name if owner is not None and owner.name else f"#{handle}"  # no owner: the session alone
+        use = self._uses.setdefault(key, Usage())
+        use.sessions += 1
+        self._wake(use, time.monotonic())  # at work from now: its prompt's prefill comes next
+        self._seqs[handle] = SeqState(self.pool.add(handle, owner), list(prompt), Sampler(sampling), use=use)
         return handle
+
+    def demote(self, owner: str) -> None:
+        """`owner`'s device asked for work it does not read (a slow reader): its key is heavy for a while."""
+        if owner in self._uses:
+            self._uses[owner].long_work(time.monotonic())
 
     def close(self, handle: int) -> None:
         s = self._seqs.pop(handle, None)
         if s is not None:
             self.pool.remove(s.kv)
+            s.use.sessions -= 1
+            if s.use.sessions <= 0 and not s.kv.owner.name:
+                self._uses.pop(f"#{handle}", None)  # a key's usage outlives its sessions (it decays)
 
     def history(self, handle: int) -> list[int]:
         return self._seqs[handle].history
@@ -298,6 +359,7 @@ class CloudEngine:
         s.count_pass("prefill_tokens", n)
         dt = time.perf_counter() - t0
         s.compute_s += dt
+        s.charge(dt)
         return dt
 
     def generate(self, handle: int, proposed: int = -1) -> GenerateResult:
@@ -318,6 +380,7 @@ class CloudEngine:
             token, logprob = self._write(s, logits, proposed)
         dt = time.perf_counter() - t0
         s.compute_s += dt
+        s.charge(dt)
         return GenerateResult(token, logprob, dt)
 
     def guess(self, handle: int) -> Guess:
@@ -340,32 +403,89 @@ class CloudEngine:
     def verify(
         self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
     ) -> VerifyResult:
-        """Judge drafted `tokens` (appended after the history) in one forward pass.
+        """Judge drafted `tokens` (appended after the history), `MAX_VERIFY_ROWS` at a time.
 
         Used by the `verify` message (the device's check, router-verify, speculative decoding).
         Each draft at an offset in `check` (router-flagged) is judged exactly, and with
         `tolerance` > 0 every other draft leniently (shared/decision.py's `judge_draft`); the
         others stand unread. The history keeps the drafts up to the first rejected one, then the
         cloud's token there; with `bonus` and no rejection the cloud's next token is appended.
+        On an error the history is as it was. (The server goes through `verify_step`, one chunk per
+        turn between other sessions' work; this runs all chunks at once.)
         """
+        job = VerifyJob(list(tokens), sorted(check), bonus, tolerance)
+        try:
+            while (result := self.verify_step(handle, job, MAX_VERIFY_ROWS)) is None:
+                pass
+        except Exception:
+            self.abandon_verify(handle, job)
+            raise
+        return result
+
+    def verify_step(self, handle: int, job: VerifyJob, max_tokens: int) -> VerifyResult | None:
+        """One bounded piece of `job`: decode at most `max_tokens` rows (and `MAX_VERIFY_ROWS`), either
+        history the KV cache lacks or the next chunk of drafts, judged as `verify` says. Returns the
+        verdict once a draft is rejected or all are judged, else None (call again). On an error the
+        caller rolls back with `abandon_verify`."""
         s = self._seqs[handle]
-        if not s.history:
-            raise EmptyHistory("verify")
-        if len(tokens) > self._caps.max_verify_tokens:
-            raise NotSupported(f"at most {self._caps.max_verify_tokens} drafted tokens per verify")
-        base = len(s.history)
-        self.pool.check_fits(base + len(tokens))
+        if job.base < 0:  # the checks of the whole verify, before any work
+            if not s.history:
+                raise EmptyHistory("verify")
+            if len(job.tokens) > self._caps.max_verify_tokens:
+                raise NotSupported(f"at most {self._caps.max_verify_tokens} drafted tokens per verify")
+            self.pool.check_fits(len(s.history) + len(job.tokens))
+            job.base = len(s.history)
+            if len(job.tokens) >= max_tokens:
+                s.use.long_work(time.monotonic())  # more than one chunk: its key is heavy for a while
+        rows = max(2, self._chunk(s, min(max_tokens, MAX_VERIFY_ROWS), time.monotonic()))
         t0 = time.perf_counter()
         s.drop_ready()
         self._redo_last(s)
+        behind = len(s.history) - 1 - s.kv.n_decoded  # history the KV cache lacks (after an eviction)
+        result: VerifyResult | None = None
+        if behind > 0:  # this turn rebuilds history; the drafts come next turn
+            if behind > max_tokens:
+                s.use.long_work(time.monotonic())
+            n = min(behind, rows)
+            self._decode_to(s, s.kv.n_decoded + n, want_logits=False)
+            s.count_pass("verify_tokens", n)
+        else:
+            take = min(len(job.tokens) - job.done, rows - 1)
+            last = job.done + take == len(job.tokens)
+            exact = {c - job.done for c in job.check if job.done <= c < job.done + take}
+            r = self._verify_span(s, job.tokens[job.done : job.done + take], exact, job.bonus and last, job.tolerance)
+            if r.token >= 0 or last:
+                r.accepted += job.done
+                result = r
+            else:
+                job.done += take  # all kept: in the history now
+        dt = time.perf_counter() - t0
+        s.compute_s += dt
+        s.charge(dt)
+        job.compute_s += dt
+        if result is not None:
+            result.compute_ms = job.compute_s * 1000.0
+        return result
+
+    def abandon_verify(self, handle: int, job: VerifyJob) -> None:
+        """A verify failed partway: the history (and KV) as before it began."""
+        s = self._seqs.get(handle)
+        if s is not None and 0 <= job.base < len(s.history):
+            self.rollback(handle, job.base)
+
+    def _verify_span(
+        self, s: SeqState, tokens: list[int], exact: set[int], bonus: bool, tolerance: float
+    ) -> VerifyResult:
+        """Judge `tokens` after the history in one decode (`verify`'s rule); the history keeps what stands."""
+        base = len(s.history)
+        self.pool.check_fits(base + len(tokens))
         if s.kv.n_decoded < base - 1:
             n = base - 1 - s.kv.n_decoded
             self._decode_to(s, base - 1, want_logits=False)  # pending history, no outputs
             s.count_pass("verify_tokens", n)
         self.pool.ensure(s.kv, len(tokens) + 1, n_history=base)
         rows = [s.history[-1], *tokens]  # row r predicts the token at offset r
-        exact = set(check)
-        wanted = (list(range(len(tokens))) if tolerance > 0 else list(check)) + ([len(tokens)] if bonus else [])
+        wanted = (list(range(len(tokens))) if tolerance > 0 else sorted(exact)) + ([len(tokens)] if bonus else [])
         try:
             outs = self._decode_outputs(DecodeItem(s.kv.seq, base - 1, rows), wanted)
             result = self._judge(s, tokens, exact, tolerance, wanted, outs)
@@ -379,9 +499,6 @@ class CloudEngine:
         if result.token >= 0:
             s.history.append(result.token)
             result.eog = self.model.is_eog(result.token)
-        dt = time.perf_counter() - t0
-        s.compute_s += dt
-        result.compute_ms = dt * 1000.0
         return result
 
     def _judge(
@@ -402,15 +519,17 @@ class CloudEngine:
 
     # ---------------------------------------------------------------- many sessions in one decode
 
-    def step(self, reqs: list[Request], budget: int) -> StepReport:
-        """One batched decode serving `reqs` (scheduler Requests, oldest first) within `budget` tokens.
+    def step(self, reqs: list[Request], budget: int, per_session: int | None = None) -> StepReport:
+        """One batched decode serving `reqs` (scheduler Requests, oldest first) within `budget` tokens,
+        at most `per_session` (default: all of `budget`) for one session, to the sessions whose turn it
+        is (fair queueing, see the module docstring); a TURN request is granted (done) then.
 
-        A generate whose pending tokens exceed the remaining budget gets a chunk of them decoded
-        now and its token in a later batch. A failure is confined to the request that causes it
+        A request whose pending tokens exceed its share gets a chunk of them decoded now and the
+        rest (and its token) in a later batch. A failure is confined to the request that causes it
         (see the module docstring); the report sums every decode this took.
         """
         outcomes = [StepOutcome() for _ in reqs]
-        plan = self._plan(reqs, budget, outcomes)
+        plan = self._plan(reqs, budget, per_session or budget, outcomes)
         n_items = n_tokens = 0
         decode_s = 0.0
         groups = [plan] if plan else []
@@ -428,9 +547,11 @@ class CloudEngine:
                 error = exc
             dt = time.perf_counter() - t0
             decode_s += dt
-            for p in group:
+            n_group = max(1, sum(len(it.tokens) for it in items))
+            for p, item in zip(group, items):
                 reqs[p.index].compute_s += dt
                 p.state.compute_s += dt
+                p.state.charge(dt * len(item.tokens) / n_group)  # its share of the decode, by tokens
             if error is not None:
                 for p in group:
                     self.pool.discard_partial(p.state.kv)
@@ -452,20 +573,69 @@ class CloudEngine:
         for r, o in zip(reqs, outcomes):
             if o.done and r.kind == GENERATE:
                 o.result = GenerateResult(o.result[0], o.result[1], r.compute_s)
-            elif o.done:
+            elif o.done and r.kind != TURN:
                 o.result = r.compute_s
         return StepReport(outcomes, n_items, n_tokens, decode_s)
 
-    def _plan(self, reqs: list[Request], budget: int, outcomes: list[StepOutcome]) -> list[_Planned]:
+    @staticmethod
+    def _chunk(s: SeqState, limit: int, now: float) -> int:
+        """How many tokens `s` may decode in one step: `limit`, or for a heavy key's session a quarter of it,
+        so a device coming to the engine while such a session has it waits a short chunk only."""
+        return max(1, limit // HEAVY_CHUNK) if s.use.heavy(now) else limit
+
+    def _wake(self, use: Usage, now: float) -> None:
+        """`use`'s key is at work now; back from idle, it starts at most two slices behind the busiest (it is
+        served first, but cannot bank the time it spent idle, as in Linux's CFS)."""
+        if now - use.last_busy >= ANTICIPATE_S:
+            use.vtime = max(use.vtime, self._vclock - 2 * FAIR_SLICE_S)
+        use.last_busy = now
+
+    def _turns(self, reqs: list[Request]) -> tuple[set[int], set[int]]:
+        """The sessions with requests queued whose turn it is (module docstring): the light keys' while any
+        light key is at work (a heavy key's too once held back STARVE_S). Returns (served, first): all
+        of those are served while the step's budget lasts (work-conserving: another session's token in
+        the same decode costs little), and `first`, those within FAIR_SLICE_S of engine time of the
+        least-served, take the budget before the others and alone may run a TURN (a verify's piece,
+        which lengthens the step for everyone)."""
+        busy = [s for r in reqs if (s := self._seqs.get(r.handle)) is not None]
+        if not busy:
+            return set()
+        now = time.monotonic()
+        for s in busy:
+            self._wake(s.use, now)
+        at_work = {id(s.use): s.use for s in self._seqs.values() if now - s.use.last_busy < ANTICIPATE_S}
+        light = [u for u in at_work.values() if not u.heavy(now)]
+        cohort = light or list(at_work.values())
+        floor = min(u.vtime for u in cohort)
+        self._vclock = max(self._vclock, floor)
+        ids = {id(u) for u in cohort}
+        starving = {s.kv.handle for s in busy if now - s.use.served_at > STARVE_S}  # slowed, never stopped
+        served = {s.kv.handle for s in busy if id(s.use) in ids} | starving
+        first = {s.kv.handle for s in busy if id(s.use) in ids and s.use.vtime - floor < FAIR_SLICE_S} | starving
+        for s in busy:
+            if s.kv.handle in served:
+                s.use.served_at = now
+        return served, first
+
+    def _plan(self, reqs: list[Request], budget: int, per_session: int, outcomes: list[StepOutcome]) -> list[_Planned]:
         """Which requests this decode serves and how far; answers those that need no decode."""
         pending = {r.handle for r in reqs}
+        served, first = self._turns(reqs)
+        now = time.monotonic()
         protect: set[int] = set()  # sessions already in this batch
         plan: list[_Planned] = []
         left = budget
-        for i, r in enumerate(reqs):
+        # less-served keys take the budget first; within each group, oldest first (the scheduler's order)
+        for i in sorted(range(len(reqs)), key=lambda i: reqs[i].handle not in first):
+            r = reqs[i]
             s = self._seqs.get(r.handle)
             if s is None:
                 outcomes[i].error = EngineFailed(f"session {r.handle} is closed")
+                continue
+            if r.handle not in served or (r.kind == TURN and r.handle not in first):
+                continue  # not its turn: short work, and less-served keys, first
+            if r.kind == TURN:
+                outcomes[i].done = True  # the scheduler runs its work now
                 continue
             gen = r.kind == GENERATE
             if gen and not s.history:
@@ -493,8 +663,15 @@ class CloudEngine:
                     f"session needs {target} KV cells; a session may hold {self.pool.seq_cells}"
                 )
                 continue
-            take = min(target - base, left)
-            if not self.pool.make_room(s.kv, take, protect, pending, n_history=target):
+            if target - base > per_session:
+                s.use.long_work(now)  # more than one chunk: its key is heavy for a while
+            take = min(target - base, left, self._chunk(s, per_session, now))
+            try:
+                room = self.pool.make_room(s.kv, take, protect, pending, n_history=target)
+            except EngineError as exc:  # its owner's KV churn budget is spent (kv_pool.py)
+                outcomes[i].error = exc
+                continue
+            if not room:
                 if not plan:  # every other session could have been evicted: it can never fit
                     outcomes[i].error = EngineFull(f"the KV budget ({self.pool.n_ctx} cells) cannot hold this session")
                 continue  # older requests hold the room: next batch

@@ -55,6 +55,13 @@ class EmptyHistory(EngineError, ValueError):
         super().__init__(f"cannot {what}: the session history is empty; sync tokens first")
 
 
+class ChurnLimited(EngineError):
+    """The session's owner has spent its KV churn budget: it forced too many other sessions' KV cells to be
+    recomputed lately (cloud_server/kv_pool.py, `ChurnBudget`); it is refused before it slows the others."""
+
+    code = ErrorCode.BUSY
+
+
 class EngineFailed(EngineError):
     """The engine failed on this request (a decode error, a remote server's failure); others are unaffected."""
 
@@ -92,12 +99,31 @@ class Capabilities:
     max_verify_tokens: int = 0  # drafted tokens one verify may carry
     how: str = ""  # how guesses and verifies are made, for /v1/info (e.g. "echo", "prompt-logprobs")
     text: bool = False  # text mode (protocol v3): the engine is a `TextEngine` (a mismatched tokenizer is served)
+    session_cells: int = 0  # tokens one session's history may hold (its KV cells); 0: not known
+
+    def verify_limit(self, n_prompt: int) -> int:
+        """Drafts one verify may carry in a session opened with `n_prompt` tokens (what `accept` announces):
+        the engine's limit, and no more than fit in the session's KV cells after the prompt."""
+        if not self.verify:
+            return 0
+        if self.session_cells <= 0:
+            return self.max_verify_tokens
+        return max(0, min(self.max_verify_tokens, self.session_cells - n_prompt))
 
     def names(self) -> list[str]:
         """The capability names an `accept` lists (shared/protocol.py, CAP_*)."""
         return [
             n for n, on in ((CAP_GENERATE, self.generate), (CAP_GUESS, self.guess), (CAP_VERIFY, self.verify)) if on
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who a session belongs to (its API key's name) and the KV churn its sessions may force on others:
+    KV cells per minute that evictions they cause make other sessions recompute (None: no limit)."""
+
+    name: str = ""
+    kv_churn_per_minute: int | None = None
 
 
 @runtime_checkable
@@ -114,7 +140,9 @@ class Engine(Protocol):
 
     def chat_tokens(self, messages: list[dict]) -> list[int]: ...
 
-    def open(self, prompt: list[int], sampling: SamplingParams) -> int: ...
+    def open(self, prompt: list[int], sampling: SamplingParams, owner: Owner | None = None) -> int:
+        """A new session; `owner` (None: nobody in particular) shares one KV churn budget among its sessions."""
+        ...
 
     def close(self, handle: int) -> None: ...
 
@@ -140,6 +168,11 @@ class Engine(Protocol):
     ) -> VerifyResult: ...
 
     def is_eog(self, token: int) -> bool: ...
+
+    def demote(self, owner: str) -> None:
+        """Serve `owner`'s sessions after the others' for a while: its device asked for work it does not
+        read (a slow reader). An engine that does not share itself between keys ignores it."""
+        ...
 
     def take_work(self, handle: int) -> Work:
         """The session's work since the last call (then reset); see shared/protocol.py's `Work`."""
@@ -186,5 +219,12 @@ class Worker(Protocol):
     async def generate(self, handle: int, proposed: int = -1) -> GenerateResult: ...
 
     async def prefill(self, handle: int) -> float: ...
+
+    async def verify(
+        self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
+    ) -> VerifyResult:
+        """The engine's `verify`, run as the worker shares the engine (the embedded one: in bounded chunks
+        between other sessions' work). On an error the history is as before the verify."""
+        ...
 
     def shutdown(self) -> None: ...

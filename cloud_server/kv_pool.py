@@ -11,17 +11,23 @@ their state is copied to host memory (`evict_mode` "save", bounded by
 `max_saved_bytes`) or dropped and rebuilt by re-prefilling the token history
 the engine keeps ("recompute"). docs/server.md gives the memory per session.
 
+Eviction is fair between owners (API keys): a session that needs room evicts its own owner's
+idle sessions first, and evicting a session in "recompute" mode charges the evicting owner's
+`ChurnBudget` with the cells the victim must recompute. An owner whose budget is spent may not
+evict any more until it refills: its request is refused (`ChurnLimited`, the device gets `busy`)
+before its churn slows the others (docs/server.md, "KV memory budget and eviction").
+
 The pool knows cells, not tokens: decoding is the engine's (cloud_server/engine.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llama_cpp as lc
 
-from cloud_server.engine_api import EngineFull
+from cloud_server.engine_api import ChurnLimited, EngineFull, Owner
 from shared.llama_backend import LlamaContext, LlamaModel
 
 EVICT_MODES = ("recompute", "save")
@@ -36,6 +42,7 @@ class EngineStats:
     restores_recomputed: int = 0  # rebuilt by re-prefill from the token history
     recomputed_tokens: int = 0
     saved_bytes: int = 0  # host memory held by saved states now
+    churn_refusals: int = 0  # requests refused because their owner's KV churn budget was spent
 
 
 @dataclass(slots=True)
@@ -43,6 +50,7 @@ class Residency:
     """Where one session's KV lives. Invariant: neither resident nor saved means `n_decoded == 0`."""
 
     handle: int  # the session's id for callers: stable across eviction and restore
+    owner: Owner = field(default_factory=Owner)  # whose budget pays for the evictions this session causes
     seq: int = -1  # llama.cpp sequence id while resident in the KV cache; -1 while evicted
     n_decoded: int = 0  # the first n_decoded history tokens are in the KV cache (or in `saved`)
     saved: bytes | None = None  # KV state kept in host memory while evicted (evict_mode "save")
@@ -73,6 +81,7 @@ class KVPool:
         self.evict_mode = evict_mode
         self.max_saved_bytes = max_saved_bytes
         self.stats = EngineStats()
+        self.churn = ChurnBudget()
         self.kv_bytes_per_cell = kv_bytes_per_cell(ctx.model)
         self._free = list(range(kv_slots - 1, -1, -1))
         self._members: dict[int, Residency] = {}
@@ -80,9 +89,9 @@ class KVPool:
 
     # ---------------------------------------------------------------- members
 
-    def add(self, handle: int) -> Residency:
+    def add(self, handle: int, owner: Owner | None = None) -> Residency:
         """A new member holding nothing yet (a slot and cells are taken at its first decode)."""
-        r = self._members[handle] = Residency(handle, last_used=time.monotonic())
+        r = self._members[handle] = Residency(handle, owner or Owner(), last_used=time.monotonic())
         return r
 
     def remove(self, r: Residency) -> None:
@@ -169,15 +178,24 @@ class KVPool:
         pending: frozenset[int] | set[int] = frozenset(),
         n_history: int = 0,
     ) -> bool:
-        """Ensure `r` holds a slot (restoring its state) and `cells` more cells are free, evicting least
-        recently used sessions outside `protect` (those in `pending` last). False if it cannot."""
+        """Ensure `r` holds a slot (restoring its state) and `cells` more cells are free, evicting sessions
+        outside `protect`: its own owner's first, then least recently used (those in `pending` last).
+        False if it cannot; ChurnLimited if only evictions its owner's churn budget cannot pay would do."""
         need_slot = not r.resident
         restore = r.n_decoded if need_slot and r.saved is not None else 0
-        victims = self._victims(set(protect) | {r.handle}, pending)
+        victims = self._victims(r.handle, r.owner, protect, pending)
         while (need_slot and not self._free) or self.ctx.n_ctx - self._cells_used < cells + restore:
             if not victims:
                 return False
-            self._evict(victims.pop(0))
+            victim = victims.pop(0)
+            forced = victim.n_decoded if self.evict_mode == "recompute" else 0
+            if forced:
+                wait = self.churn.wait_s(r.owner)
+                if wait > 0:
+                    self.stats.churn_refusals += 1
+                    raise ChurnLimited(self.churn.refusal(r.owner, wait))
+            self._evict(victim)
+            self.churn.charge(r.owner, forced)
         if need_slot:
             r.seq = self._free.pop()
             self.ctx.clear(r.seq)
@@ -193,10 +211,19 @@ class KVPool:
             r.evicted = False
         return True
 
-    def _victims(self, protect: set[int], pending: frozenset[int] | set[int]) -> list[Residency]:
-        """Resident sessions that may be evicted: idle ones first, then least recently used."""
-        cands = (x for x in self._members.values() if x.resident and x.handle not in protect)
-        return sorted(cands, key=lambda x: (x.handle in pending, x.last_used))
+    def _victims(
+        self, handle: int, owner: Owner, protect: frozenset[int] | set[int], pending: frozenset[int] | set[int]
+    ) -> list[Residency]:
+        """Resident sessions that may be evicted: `owner`'s own first (a key's churn falls on the key),
+        then idle ones before those with a request queued, least recently used first within each. While
+        one of the owner's other sessions holds a slot for this very batch, none of another owner: the
+        request waits a batch for its sibling rather than evict a stranger."""
+        resident = [x for x in self._members.values() if x.resident and x.handle != handle]
+        mine = [x for x in resident if owner.name and x.owner.name == owner.name]
+        if any(x.handle in protect for x in mine):
+            resident = mine
+        cands = (x for x in resident if x.handle not in protect)
+        return sorted(cands, key=lambda x: (x.owner.name != owner.name, x.handle in pending, x.last_used))
 
     def _evict(self, r: Residency) -> None:
         if self.evict_mode == "save" and r.n_decoded > 0:
@@ -223,6 +250,50 @@ class KVPool:
             return False
         self._drop_saved(min(saved, key=lambda x: x.last_used))
         return True
+
+
+class ChurnBudget:
+    """KV cells per minute each owner's sessions may force others to recompute (a token bucket per owner).
+
+    Why: in "recompute" mode an eviction costs the victim a re-prefill of its whole history, engine time
+    every session waits for. A client that syncs and rolls back in a loop over few KV slots could make
+    that cost without bound while staying within its token quotas. The bucket may go into debt by one
+    eviction (a victim larger than the budget would otherwise never be evictable); while it is in debt
+    the owner evicts nothing. Used on the engine thread only, like the pool."""
+
+    def __init__(self) -> None:
+        self._level: dict[str, tuple[float, float]] = {}  # owner name -> (cells left, when)
+
+    def _now_level(self, owner: Owner) -> float:
+        limit = owner.kv_churn_per_minute
+        assert limit is not None
+        level, t = self._level.get(owner.name, (float(limit), time.monotonic()))
+        now = time.monotonic()
+        return min(float(limit), level + (now - t) * limit / 60.0)
+
+    def wait_s(self, owner: Owner) -> float:
+        """0 when `owner` may evict now, else the seconds until its budget is out of debt."""
+        limit = owner.kv_churn_per_minute
+        if limit is None:
+            return 0.0
+        if limit <= 0:
+            return float("inf")
+        level = self._now_level(owner)
+        return 0.0 if level > 0 else (1.0 - level) * 60.0 / limit
+
+    def charge(self, owner: Owner, cells: int) -> None:
+        if owner.kv_churn_per_minute is None:
+            return
+        self._level[owner.name] = (self._now_level(owner) - cells, time.monotonic())
+
+    @staticmethod
+    def refusal(owner: Owner, wait_s: float) -> str:
+        when = "later" if wait_s == float("inf") else f"in {wait_s:.1f} s"
+        return (
+            f"KV churn: the sessions of {owner.name!r} made other sessions recompute more than their budget of "
+            f"{owner.kv_churn_per_minute} KV cells per minute (evicted by syncs and rollbacks beyond the free "
+            f"KV slots); retry {when}, or keep fewer sessions open at once"
+        )
 
 
 def kv_bytes_per_cell(model: LlamaModel) -> int:

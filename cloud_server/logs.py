@@ -11,9 +11,60 @@ import json
 import logging
 import re
 import sys
+import threading
+import time
 from typing import Any
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+TRACEBACK_EVERY_S = 10.0  # at most one traceback per this many seconds, process-wide (the rest are counted)
+ADMITTED = "traceback_admitted"  # a record's attribute: its traceback already passed the limit (no second check)
+
+
+class TracebackLimit:
+    """At most one traceback per `every_s` seconds; the others are counted, and the count goes with the
+    next one. Why: a client that can make the server fail, with or without a key (a text frame that
+    is not UTF-8 fails in uvicorn before any of our code runs), must not be able to flood the log."""
+
+    def __init__(self, every_s: float = TRACEBACK_EVERY_S) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self.suppressed = 0
+
+    def admit(self) -> int | None:
+        """None: no traceback now (counted); else how many were held back since the last one."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                self.suppressed += 1
+                return None
+            self._last, n, self.suppressed = now, self.suppressed, 0
+            return n
+
+
+TRACEBACKS = TracebackLimit()  # the process's one limit: the transport's failures and every logged traceback
+
+
+class TracebackFilter(logging.Filter):
+    """Every record that carries a traceback, whoever logs it (uvicorn's protocol layer, the ASGI app,
+    the engine thread), passes `limit` unless it already did: a record held back is dropped, and the
+    next one admitted says how many were."""
+
+    def __init__(self, limit: TracebackLimit = TRACEBACKS) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or getattr(record, ADMITTED, False):
+            return True
+        held_back = self.limit.admit()
+        if held_back is None:
+            return False
+        if held_back:
+            record.msg = f"{record.msg} ({held_back} more failures since the last traceback)"
+        setattr(record, ADMITTED, True)
+        return True
+
 
 # C0/C1 control characters, Unicode line/paragraph separators, and unpaired surrogates
 # (which cannot even be written to a UTF-8 stream)
@@ -80,14 +131,18 @@ def _path_only(arg: object) -> object:
     return arg
 
 
-def setup_logging(level: str = "warning", fmt: str = "text", stream: Any = None) -> logging.Handler:
-    """One stderr handler on the root logger for every logger, uvicorn's included.
+def setup_logging(
+    level: str = "warning", fmt: str = "text", stream: Any = None, tracebacks: TracebackLimit = TRACEBACKS
+) -> logging.Handler:
+    """One stderr handler on the root logger for every logger, uvicorn's included, whose tracebacks pass
+    `tracebacks` (the process's limit, which the transport's failure log shares).
 
     uvicorn must then be started with `log_config=None` (so it installs no handlers of its
     own); its loggers are reset here to propagate to this handler."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(NoQueryString())
+    handler.addFilter(TracebackFilter(tracebacks))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -28,6 +28,7 @@ class KeyPolicy:
     max_sessions: int | None = None
     tokens_per_minute: int | None = None
     max_cloud_fraction: float | None = None
+    kv_churn_per_minute: int | None = None  # KV cells its sessions may make others recompute (cloud_server/kv_pool.py)
 
 
 class QuotaExceeded(Exception):

@@ -84,6 +84,7 @@ from cloud_server.engine_api import (
     EngineFull,
     GenerateResult,
     NotSupported,
+    Owner,
     VerifyResult,
 )
 from shared.completions import CompletionsClient, CompletionsError, Position, VocabModel, common_prefix, first_choice
@@ -175,7 +176,7 @@ class RemoteEngine:
         self.verify_request = verify
         self.verify_mode = "off"  # what the probe found (see probe)
         self.top_logprobs = False  # the engine lists top log-probabilities per generated position
-        self._caps = Capabilities("remote", self.model.n_vocab, how="not probed yet")
+        self._caps = Capabilities("remote", self.model.n_vocab, how="not probed yet", session_cells=n_ctx)
         self._sessions: dict[int, RemoteSession] = {}
         self._next = 0
         self._lock = threading.Lock()
@@ -226,7 +227,13 @@ class RemoteEngine:
         limit = {"generate": MAX_VERIFY_GENERATE, "off": 0}.get(mode, MAX_VERIFY_ONE_PASS)
         how = f"verify: {mode}; guess: {'max_tokens 2' if guess else 'none'}; prompt: {self.prompt_format}"
         self._caps = Capabilities(
-            "remote", self.model.n_vocab, guess=guess, verify=mode != "off", max_verify_tokens=limit, how=how
+            "remote",
+            self.model.n_vocab,
+            guess=guess,
+            verify=mode != "off",
+            max_verify_tokens=limit,
+            how=how,
+            session_cells=self.n_ctx,
         )
         log.info("remote engine at %s: %s", self.base_url, how)
         return self._caps
@@ -252,7 +259,11 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- sessions
 
-    def open(self, prompt: list[int], sampling: SamplingParams) -> int:
+    def demote(self, owner: str) -> None:
+        """Nothing to do: the remote engine schedules its own GPU."""
+
+    def open(self, prompt: list[int], sampling: SamplingParams, owner: Owner | None = None) -> int:
+        """A new session (`owner` is not needed: the remote engine keeps no KV of its own to evict)."""
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise EngineFull(f"all {self.max_sessions} sessions are in use")
@@ -592,6 +603,12 @@ class RemoteWorker:
         """The warm-up request, started and not awaited (its time is not the device's)."""
         self.engine.prefill_in_background(handle, self._pool)
         return 0.0
+
+    async def verify(
+        self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
+    ) -> VerifyResult:
+        """One request (or a stream) to the remote engine, which shares its own GPU between sessions."""
+        return await self.call(self.engine.verify, handle, tokens, check, bonus, tolerance)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

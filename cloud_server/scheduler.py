@@ -5,10 +5,14 @@ weights are read once per batch), so a server that serves sessions one at a
 time wastes its accelerator. Every session has at most one request in flight
 (the connection awaits it), so each batch holds at most one item per session.
 
-Fairness: requests are served oldest first. Every generate in the queue gets
+Fairness: requests are served oldest first among the sessions whose turn it
+is (the engine decides: short work first, then fair queueing between keys; see
+cloud_server/engine.py). Every generate in the queue gets
 its token in the next batch unless the per-batch token budget is spent by
-older requests; long prefills are cut into chunks, so a 2000-token sync never
-holds back another session's hard token by more than one chunk.
+older requests; long prefills are cut into chunks of at most `session_tokens`
+per session and step, so a 2000-token sync never holds back another session's
+hard token by more than one chunk. A verify is served the same way: one chunk
+per turn (`TURN` requests run a piece of work on this thread when granted).
 
 Plain calls (`call(fn, *args)`, any engine method) run on the same thread,
 between batches and in arrival order, so code written against
@@ -29,8 +33,8 @@ import time
 from collections import deque
 from typing import Any, Callable, TypeVar
 
-from cloud_server.batch import GENERATE, PREFILL, BatchEngine, BatchObserver, Request
-from cloud_server.engine_api import GenerateResult
+from cloud_server.batch import GENERATE, PREFILL, TURN, BatchEngine, BatchObserver, Request, VerifyJob
+from cloud_server.engine_api import GenerateResult, VerifyResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,9 +43,17 @@ T = TypeVar("T")
 class BatchScheduler:
     """The engine thread and its queues (see the module docstring)."""
 
-    def __init__(self, engine: BatchEngine, max_batch_tokens: int = 512, observer: BatchObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: BatchEngine,
+        max_batch_tokens: int = 512,
+        observer: BatchObserver | None = None,
+        session_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
         self.max_batch_tokens = max(1, min(max_batch_tokens, engine.n_batch))
+        # the most tokens one session takes of a step (default: the whole batch)
+        self.session_tokens = max(2, min(session_tokens or self.max_batch_tokens, self.max_batch_tokens))
         self.observer = observer
         self._cv = threading.Condition()
         self._calls: deque[tuple[Callable[..., Any], tuple, Any, asyncio.AbstractEventLoop | None]] = deque()
@@ -64,14 +76,15 @@ class BatchScheduler:
         self._push_call(fn, args, fut, None)
         return fut
 
-    async def request(self, handle: int, kind: str, proposed: int = -1) -> Any:
-        """Queue a prefill or generate for a session and wait for its batch."""
+    async def request(self, handle: int, kind: str, proposed: int = -1, work: Callable[[], Any] | None = None) -> Any:
+        """Queue a prefill or generate for a session and wait for its batch (or a TURN: wait for the
+        session's turn, then `work` runs on the engine thread and its result is returned)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shutting down")
-            self._new.append(Request(handle, kind, fut, loop, proposed))
+            self._new.append(Request(handle, kind, fut, loop, proposed, work))
             self._cv.notify()
         return await fut
 
@@ -130,7 +143,7 @@ class BatchScheduler:
         reqs = self._active = sorted(self._active, key=lambda r: r.kind == PREFILL)
         now = time.perf_counter()
         try:
-            outcomes, n_items, n_tokens, decode_s = self.engine.step(reqs, self.max_batch_tokens)
+            outcomes, n_items, n_tokens, decode_s = self.engine.step(reqs, self.max_batch_tokens, self.session_tokens)
         except BaseException as exc:  # noqa: BLE001 - step confines failures to their requests; this is a bug
             log.exception("batch failed")
             for req in reqs:
@@ -140,6 +153,7 @@ class BatchScheduler:
         if n_items and self.observer is not None:
             self.observer.on_batch(n_items, n_tokens, decode_s)
         keep: list[Request] = []
+        turns: list[Request] = []
         progressed = False
         for req, out in zip(reqs, outcomes):
             if out.progressed and not req.started:
@@ -149,10 +163,17 @@ class BatchScheduler:
             progressed |= out.progressed or out.done or out.error is not None
             if out.error is not None:
                 _resolve(req.future, req.loop, None, out.error)
+            elif out.done and req.kind == TURN:
+                turns.append(req)
             elif out.done:
                 _resolve(req.future, req.loop, out.result, None)
             else:
                 keep.append(req)
+        for req in turns:  # after every batched answer is out: a turn's work is the longest part of a step
+            try:
+                _resolve(req.future, req.loop, req.work() if req.work is not None else None, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                _resolve(req.future, req.loop, None, exc)
         self._active = keep
         return progressed
 
@@ -164,9 +185,15 @@ class EngineWorker:
     through the batch scheduler, which serves many sessions in one decode.
     """
 
-    def __init__(self, engine: BatchEngine, max_batch_tokens: int = 512, observer: BatchObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: BatchEngine,
+        max_batch_tokens: int = 512,
+        observer: BatchObserver | None = None,
+        session_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
-        self.scheduler = BatchScheduler(engine, max_batch_tokens, observer)
+        self.scheduler = BatchScheduler(engine, max_batch_tokens, observer, session_tokens)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.scheduler.call(fn, *args)
@@ -183,6 +210,23 @@ class EngineWorker:
         """Decode the session's pending tokens, batched, keeping the next position's logits. Returns compute seconds."""
         seconds: float = await self.scheduler.request(handle, PREFILL)
         return seconds
+
+    async def verify(
+        self, handle: int, tokens: list[int], check: list[int], bonus: bool = False, tolerance: float = 0.0
+    ) -> VerifyResult:
+        """The engine's verify, one bounded chunk per turn of the session (`BatchEngine.verify_step`):
+        other sessions' batches run between the chunks. On an error the history is as before."""
+        engine, rows = self.engine, self.scheduler.session_tokens
+        job = VerifyJob(list(tokens), sorted(check), bonus, tolerance)
+        try:
+            while True:
+                result = await self.scheduler.request(handle, TURN, work=lambda: engine.verify_step(handle, job, rows))
+                if result is not None:
+                    return result
+        except Exception:
+            if job.base >= 0:
+                await self.call(engine.abandon_verify, handle, job)
+            raise
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

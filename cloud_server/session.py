@@ -26,6 +26,7 @@ in a text session and text messages in a token session (`out_of_order`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from typing import Awaitable, Callable, NoReturn, cast
 from cloud_server.audit import SessionAudit
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
-from cloud_server.engine_api import EngineError, EngineFull, GenerateResult, TextEngine, Worker
+from cloud_server.engine_api import EngineError, EngineFull, GenerateResult, Owner, TextEngine, Worker
 from cloud_server.flywheel import recorder_for
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, SessionGuard
 from cloud_server.services import Services
@@ -74,6 +75,7 @@ from shared.protocol import (
     token_hash,
 )
 from shared.sampling import NO_GUESS, Guess, SamplingError
+from shared.text_history import on_char_boundary
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class SessionState:
     key: KeyPolicy  # holds one of the key's sessions until close
     guard: SessionGuard
     audit: SessionAudit | None  # None when the audit log is off
+    flagged: bool = False  # the abuse check flagged it (counted and logged once per session)
 
     def record_tokens(self, position: int, tokens: list[int], cloud: bool) -> None:
         if self.audit is not None:
@@ -106,11 +109,11 @@ class SessionState:
             self.audit.rollback(position)
 
     def flag(self) -> bool:
-        """Mark the audit log flagged; True the first time (the caller counts and logs it once)."""
-        if self.audit is None:
-            return True
-        first = not self.audit.flagged
-        self.audit.flagged = True
+        """Mark the session (and its audit log, if any) flagged; True the first time only, audit log or
+        not, so the caller counts and logs each session once."""
+        first, self.flagged = not self.flagged, True
+        if self.audit is not None:
+            self.audit.flagged = True
         return first
 
 
@@ -229,8 +232,11 @@ class Connection:
         except QuotaExceeded as exc:
             await self._reject(ErrorCode.BUSY, exc.reason, exc.kind)
         try:
-            prompt = await self.worker.call(self.engine.chat_tokens, msg.messages)
-            handle = await self.worker.call(self.engine.open, prompt, sampling)
+            # the template and the tokenizer read only the vocabulary: off the engine thread, whose time is shared
+            prompt = await asyncio.to_thread(self.engine.chat_tokens, msg.messages)
+            handle = await self.worker.call(
+                self.engine.open, prompt, sampling, Owner(key.name, key.kv_churn_per_minute)
+            )
         except EngineFull as exc:
             self.services.quotas.close_session(key)
             await self._reject(ErrorCode.BUSY, f"{exc}; try again later", "capacity")
@@ -247,7 +253,9 @@ class Connection:
             self.services.audit.start(session_id, key.name, len(prompt)),
         )
         if text_mode:  # what text mode supports (docs/protocol.md): hard positions, and the check where the engine can
-            self.text = TextSession(self.worker, cast(TextEngine, self.engine), handle, len(prompt))
+            self.text = TextSession(
+                self.worker, cast(TextEngine, self.engine), handle, len(prompt), self.caps.session_cells
+            )
         await self.send(
             Accept(
                 session_id=session_id,
@@ -260,7 +268,7 @@ class Connection:
                 capabilities=(
                     [CAP_GENERATE, CAP_GUESS] + [CAP_VERIFY] * self.caps.verify if text_mode else self.caps.names()
                 ),
-                max_verify_tokens=self.caps.max_verify_tokens if self.caps.verify else 0,
+                max_verify_tokens=self.caps.verify_limit(len(prompt)),  # what fits after this prompt
                 mode="text" if text_mode else "tokens",
             )
         )
@@ -271,6 +279,17 @@ class Connection:
         if position != n:
             raise ProtocolError(
                 ErrorCode.OUT_OF_ORDER, f"{mtype} at position {position}, but the session holds {n} tokens"
+            )
+
+    def _check_fits(self, st: SessionState, n_more: int) -> None:
+        """`context_full` before anything is kept when `n_more` tokens would not fit in the session's
+        history (its KV cells): what the server refuses it does not keep."""
+        limit, n = self.caps.session_cells, len(self.engine.history(st.handle))
+        if limit and n + n_more > limit:
+            raise ProtocolError(
+                ErrorCode.CONTEXT_FULL,
+                f"{n_more} more tokens after {n} would not fit: a session may hold {limit}; "
+                "finish the answer on the device",
             )
 
     def _check_tokens(self, tokens: list[int]) -> None:
@@ -303,9 +322,14 @@ class Connection:
     async def _sync(self, st: SessionState, msg: Sync) -> None:
         self._check_position(st, "sync", msg.position)
         self._check_tokens(msg.tokens)
-        self._device_tokens(st, msg.position, msg.tokens)
+        self._check_fits(st, len(msg.tokens))
         self.engine.append(st.handle, msg.tokens)
-        await self._prefill(st)
+        try:
+            await self._prefill(st)
+        except ProtocolError:  # refused (busy, context_full): the history as before, the device may resend
+            await self.worker.call(self.engine.rollback, st.handle, msg.position)
+            raise
+        self._device_tokens(st, msg.position, msg.tokens)
 
     def _device_tokens(self, st: SessionState, position: int, tokens: list[int], guarded: bool = False) -> None:
         """Account tokens the device wrote (abuse check unless already `guarded`, audit, metrics)."""
@@ -338,7 +362,7 @@ class Connection:
         except QuotaExceeded as exc:
             st.guard.device_tokens(-carried)
             self.services.metrics.rejections.labels(exc.kind).inc()
-            if exc.kind.startswith("abuse") and st.flag():
+            if exc.kind.startswith("abuse") and st.flag():  # once per session
                 self.services.metrics.abuse_flags.inc()
                 log.warning("session %s (key %s) flagged: %s", st.session_id, st.key.name, exc.reason)
             raise ProtocolError(ErrorCode.BUSY, exc.reason) from None
@@ -455,7 +479,7 @@ class Connection:
             )
         self._admit_hard_tokens(st, 1)
         with engine_errors():
-            r = await self.worker.call(self.engine.verify, st.handle, msg.tokens, msg.check, msg.bonus, msg.tolerance)
+            r = await self.worker.verify(st.handle, msg.tokens, msg.check, msg.bonus, msg.tolerance)
         self.cloud_tokens += int(r.token >= 0)
         self._device_tokens(st, msg.position, msg.tokens[: r.accepted])
         if r.token >= 0:
@@ -492,8 +516,15 @@ class Connection:
     async def _text_sync(self, st: SessionState, text: TextSession, msg: TextSync) -> None:
         self._check_bytes(text, "text_sync", msg.byte_position)
         n = len(self.engine.history(st.handle))
-        self._device_tokens(st, n, await text.append(msg.text.encode()))
-        await self._prefill(st)
+        with engine_errors():
+            added = await text.append(msg.text.encode())  # refused unkept when it cannot fit
+        try:
+            await self._prefill(st)
+        except ProtocolError:  # refused: the answer as before (the device may resend), nothing kept
+            with engine_errors():
+                await text.rollback(msg.byte_position)
+            raise
+        self._device_tokens(st, n, added)
 
     async def _text_rollback(self, text: TextSession, msg: TextRollback) -> None:
         if msg.byte_position > len(text.text):
@@ -501,7 +532,15 @@ class Connection:
                 ErrorCode.OUT_OF_ORDER,
                 f"text_rollback to byte {msg.byte_position}, but the session's answer holds {len(text.text)} bytes",
             )
-        await text.rollback(msg.byte_position)
+        if not on_char_boundary(text.text, msg.byte_position):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text_rollback: byte_position {msg.byte_position} falls inside a UTF-8 character of the answer; "
+                "cut the answer between characters",
+                field="byte_position",
+            )
+        with engine_errors():
+            await text.rollback(msg.byte_position)
 
     async def _text_generate(self, st: SessionState, text: TextSession, msg: TextGenerate) -> None:
         """A hard position in text mode: the device's text, then the cloud's span (or stream)."""
@@ -509,7 +548,8 @@ class Connection:
         self._check_max_tokens(msg.max_tokens)
         self._admit_hard_tokens(st, 1)
         n = len(self.engine.history(st.handle))
-        carried = await text.append(msg.text.encode())
+        with engine_errors():
+            carried = await text.append(msg.text.encode())  # refused unkept when it cannot fit
         self._device_tokens(st, n, carried)
         sent = False
 
@@ -604,13 +644,45 @@ class Connection:
             await text.rollback(len(text.text) if sent else msg.byte_position)
             raise
 
+    async def demote(self) -> None:
+        """The device reads nothing it asked for (a slow reader): its key's sessions are served after the
+        others' for a while (cloud_server/engine.py, "short work first")."""
+        if self.session is not None:
+            try:
+                await self.worker.call(self.engine.demote, self.session.key.name)
+            except RuntimeError:  # the engine is shutting down: nothing left to share
+                pass
+
     async def close(self) -> None:
-        if self.recorder is not None:
-            self.recorder.flush(self.edge_model)
+        """End the session: its engine session and its key's session quota are released first, whatever
+        happens after; then the observers (audit log, flywheel) each get their turn. An observer's
+        failure is raised after all of them ran (the transport logs it, rate-limited), never before
+        the release: a session that leaked would hold a slot until a restart."""
         st, self.session = self.session, None
-        if st is None:
-            return
-        self.services.quotas.close_session(st.key)
-        if st.audit is not None:
-            self.services.audit.finish(st.audit, edge_model=self.edge_model)
-        await self.worker.call(self.engine.close, st.handle)
+        try:
+            if st is not None:
+                try:
+                    await self.worker.call(self.engine.close, st.handle)
+                finally:
+                    self.services.quotas.close_session(st.key)
+        finally:
+            observers: list[Callable[[], object]] = []
+            if st is not None and st.audit is not None:
+                audit = st.audit
+                observers.append(lambda: self.services.audit.finish(audit, edge_model=self.edge_model))
+            if self.recorder is not None:
+                recorder = self.recorder
+                observers.append(lambda: recorder.flush(self.edge_model))
+            _run_all(observers)
+
+
+def _run_all(calls: list[Callable[[], object]]) -> None:
+    """Run every call even when one raises; the first failure is raised after the last call."""
+    failure: BaseException | None = None
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - raised below, once the others ran
+            failure = failure or exc
+    if failure is not None:
+        raise failure

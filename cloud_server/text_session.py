@@ -29,11 +29,20 @@ only moves the text and the engine's history. It runs only on an engine that can
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from cloud_server.engine_api import GenerateResult, NotSupported, TextEngine, Worker
-from shared.text_history import SPAN_TOKENS, TextGuess, complete_utf8, plan_check, span_done
+from cloud_server.engine_api import EngineFull, GenerateResult, NotSupported, TextEngine, Worker
+from shared.text_history import (
+    SPAN_TOKENS,
+    TextGuess,
+    complete_utf8,
+    on_char_boundary,
+    plan_check,
+    span_done,
+    valid_utf8,
+)
 
 
 @dataclass(slots=True)
@@ -53,30 +62,66 @@ class SpanPiece:
 class TextSession:
     """One session's shared answer text and the engine history that follows it."""
 
-    def __init__(self, worker: Worker, engine: TextEngine, handle: int, n_prompt: int) -> None:
+    def __init__(self, worker: Worker, engine: TextEngine, handle: int, n_prompt: int, max_history: int = 0) -> None:
+        """`max_history`: the tokens the session's history may hold (its KV cells; 0: no limit known)."""
         self.worker = worker
         self.engine = engine
         self.handle = handle
         self.n_prompt = n_prompt
+        self.max_history = max_history
         self.view = engine.answer_text()
         self.text = b""  # the answer so far, as both sides hold it
 
+    async def _tokens_for(self, text: bytes) -> tuple[int, list[int]]:
+        """(answer tokens of the history that stand, tokens to append) for answer `text`; EngineFull,
+        before any work that grows with the text, when `text` cannot fit in the session's history.
+
+        Why here: what the server refuses it must neither keep nor re-read. A text too long for the
+        KV cells is refused from its length alone (no tokenizer splits fewer than
+        `AnswerText.fewest_tokens` bytes per token), so a megabyte costs nothing; shorter text is
+        tokenized off the engine thread (the tokenizer only reads the vocabulary)."""
+        self._refuse_if_too_long(text)
+        held = self.engine.history(self.handle)[self.n_prompt :]
+        keep, add = await asyncio.to_thread(self.view.reconcile, held, text)
+        if self.max_history and self.n_prompt + keep + len(add) > self.max_history:
+            raise EngineFull(self._too_long(keep + len(add)))
+        return keep, add
+
+    def _refuse_if_too_long(self, text: bytes) -> None:
+        """EngineFull if `text` cannot fit in the history whatever its tokens: a check on its length alone."""
+        fewest = self.view.fewest_tokens(text)
+        if self.max_history and self.n_prompt + fewest > self.max_history:
+            raise EngineFull(self._too_long(fewest))
+
+    def _too_long(self, n_tokens: int) -> str:
+        return (
+            f"the answer text would take at least {n_tokens} of this model's tokens after a {self.n_prompt}-token "
+            f"prompt; a session may hold {self.max_history}: finish the answer on the device"
+        )
+
     async def _follow(self) -> list[int]:
         """Bring the engine's history to prompt + tokens(text); returns the tokens appended."""
-        history = self.engine.history(self.handle)
-        keep, add = await self.worker.call(self.view.reconcile, history[self.n_prompt :], self.text)
-        if self.n_prompt + keep < len(history):
+        return await self._apply(*await self._tokens_for(self.text))
+
+    async def _apply(self, keep: int, add: list[int]) -> list[int]:
+        if self.n_prompt + keep < len(self.engine.history(self.handle)):
             await self.worker.call(self.engine.rollback, self.handle, self.n_prompt + keep)
         self.engine.append(self.handle, add)
         return add
 
     async def append(self, text: bytes) -> list[int]:
-        """The device wrote `text` (whole characters): returns the cloud tokens appended."""
-        self.text += text
-        return await self._follow()
+        """The device wrote `text` (whole characters): returns the cloud tokens appended. Refused
+        (EngineFull) without keeping anything when the answer would not fit."""
+        new = self.text + text
+        planned = await self._tokens_for(new)
+        self.text = new
+        return await self._apply(*planned)
 
     async def rollback(self, byte_position: int) -> None:
-        """Cut the answer to `byte_position` bytes (the caller checked it is within the text)."""
+        """Cut the answer to `byte_position` bytes (the caller checked it is a character boundary
+        within the text: shared/text_history.py, `on_char_boundary`)."""
+        if not on_char_boundary(self.text, byte_position):
+            raise ValueError(f"byte {byte_position} is not a character boundary of the answer")
         self.text = self.text[:byte_position]
         await self._follow()
 
@@ -115,6 +160,8 @@ class TextSession:
                 eog = True
                 break
             written += self.view.token_bytes(result.token)
+            if valid_utf8(written) < complete_utf8(written):  # bytes that no later token makes a character
+                break  # the span ends at its last whole character (the rest is dropped below)
             cut = self.view.stop_cut(self.text, bytes(written))
             if cut is not None:  # a base model began the person's next line: the answer ends here
                 del written[cut:]
@@ -123,7 +170,7 @@ class TextSession:
             pending = self.view.stop_pending(self.text, bytes(written))
             if not at_word:
                 done = span_done(bytes(written), n, max_tokens, None, at_word=False)
-                whole = complete_utf8(written)
+                whole = valid_utf8(written)
                 if not done and whole and not pending and n % SPAN_TOKENS == 0:  # stream whole characters
                     await self._emit(emit, written[:whole], tokens, logprob, compute, final=False, eog=False)
                     del written[:whole]
@@ -151,7 +198,7 @@ class TextSession:
                 break
             admit()
             result = await worker.generate(handle)
-        whole = written[: complete_utf8(written)]  # trailing bytes of an unfinished character are dropped
+        whole = written[: valid_utf8(written)]  # bytes of no whole character (unfinished, or none) are dropped
         guess = None
         if lookahead and at_word and not eog and len(whole) == len(written):
             compute += await worker.prefill(handle)  # (done already where the span rule looked ahead)
@@ -175,6 +222,7 @@ class TextSession:
         hands `emit` the span written after the kept bytes (empty when all were kept) and how
         many drafted bytes were kept. On an error the caller rolls back to the text before."""
         engine, worker, handle = self.engine, self.worker, self.handle
+        self._refuse_if_too_long(self.text + drafted)  # before any work that grows with the text
         history = engine.history(handle)
         try:
             plan = await worker.call(
@@ -194,7 +242,7 @@ class TextSession:
         if self.n_prompt + plan.keep < len(history):
             await worker.call(engine.rollback, handle, self.n_prompt + plan.keep)
         engine.append(handle, plan.context)
-        r = await worker.call(engine.verify, handle, plan.drafts, plan.exact, False, tolerance)
+        r = await worker.verify(handle, plan.drafts, plan.exact, False, tolerance)
         check_s = r.compute_ms / 1000.0
         if r.token < 0:  # all kept: the history follows the text (a drafted end is not history)
             self.text += drafted

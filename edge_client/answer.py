@@ -97,7 +97,8 @@ class Answer:
     scores: list[float | None] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # each token's text, as streamed
     emit_ms: list[float] = field(default_factory=list)  # when each token was released, since the answer began
-    degraded: bool = False  # the cloud was lost and the edge finished alone
+    degraded: bool = False  # the cloud was lost (unreachable, full, gone) and the edge finished alone
+    degraded_reason: str = ""  # why, in the cloud link's words ("" when not degraded)
     interrupted: bool = False  # stopped early by the caller (barge-in)
     finish_reason: str = "stop"  # "stop" (end of generation), "length", "interrupted"
     decision: str = ""  # a per-answer choice of model (replay's query/session policies): "edge" or "cloud"
@@ -160,6 +161,7 @@ class Answer:
             "policy": self.policy,
             "decision": self.decision,
             "degraded": self.degraded,
+            "degraded_reason": self.degraded_reason,
             "interrupted": self.interrupted,
             "finish_reason": self.finish_reason,
             "latency_ms": self.latency.to_json(),

@@ -66,7 +66,7 @@ def render_human(answer: Answer, color: bool) -> str:
             f" guess {t.guess_tokens}), {t.engine_requests} engine requests"
         )
     if answer.degraded:
-        summary += "\n(degraded: the cloud was unavailable, the device answered alone)"
+        summary += f"\n(degraded: the cloud was unavailable ({answer.degraded_reason}), the device answered alone)"
     return "".join(out) + summary
 
 

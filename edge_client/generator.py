@@ -7,8 +7,9 @@ easy positions keep the device's token, hard ones are written by the cloud,
 the cloud's lookahead guess decides the position after a hard token, and
 with the cloud's check the device drafts each clause for one `verify`.
 The cloud session's life (connect, resync, reconnect, loss, traffic) is kept
-by edge_client/cloud_session.py. If the cloud is lost, the answer continues
-on the device and is marked degraded; the next answer tries to reconnect.
+by edge_client/cloud_session.py. If the cloud is lost, unreachable or full
+(`reject busy`), the answer continues on the device and is marked degraded,
+with the reason (`Answer.degraded_reason`); the next answer tries to reconnect.
 The device asks only for what the server's engine can do (its accept lists
 it, protocol v2): without `verify` the check falls back to the per-token
 phase, without `guess` lookahead is off (`negotiated`); the answer says which
@@ -263,6 +264,7 @@ class RoutedGenerator:
         turn.out.finish(turn.stopped(), turn.router_ms)
         answer.cloud_timeouts = cloud.timeouts - timeouts0
         answer.degraded = answer.degraded or (use_cloud and not cloud.up)
+        answer.degraded_reason = (cloud.last_error or "the cloud was lost") if answer.degraded else ""
         answer.traffic = cloud.traffic() - traffic0
         answer.drift = self.router.drift_report()  # learned routers: score distribution vs training (PSI)
         return answer

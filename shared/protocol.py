@@ -165,7 +165,7 @@ class Accept:
     version: int = PROTOCOL_VERSION
     # v2: what this server's engine can do (CAP_*); absent from a v1 server: ALL_CAPABILITIES assumed
     capabilities: list[str] = field(default_factory=lambda: list(ALL_CAPABILITIES))
-    max_verify_tokens: int = 0  # drafted tokens one verify may carry (0: not said)
+    max_verify_tokens: int = 0  # drafts one verify may carry after the prompt (the KV cells allowing; 0: not said)
     mode: str = "tokens"  # v3: HISTORY_MODES; "text": the text_* messages, byte positions
 
 

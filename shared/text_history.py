@@ -117,6 +117,25 @@ def complete_utf8(data: bytes) -> int:
     return n  # only continuation bytes in reach: leave it to the decoder
 
 
+def valid_utf8(data: bytes) -> int:
+    """Length of the longest prefix of `data` that is valid UTF-8 of whole characters. Unlike
+    `complete_utf8` it reads every byte: for text a model wrote itself, whose byte-fallback tokens may
+    form no character at all (a lead byte then a letter), which must never become shared text."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start
+    return len(data)
+
+
+def on_char_boundary(text: bytes, position: int) -> bool:
+    """`position` (0 … len(text)) falls between two characters of `text` (valid UTF-8), not inside
+    one: the only places the shared answer may be cut. Why a rule of its own: a cut inside a
+    character leaves bytes no tokenizer can read (a `text_rollback` to byte 1 of "é"), so both
+    sides refuse such a position where it enters (the cloud answers `bad_field`)."""
+    return position == len(text) or (0 <= position < len(text) and not 0x80 <= text[position] < 0xC0)
+
+
 def _whole_text(piece: bytes) -> bool:
     """`piece` is non-empty text of whole UTF-8 characters (a byte-fallback token is not)."""
     try:
@@ -167,23 +186,34 @@ class AnswerText:
         token_bytes: Callable[[int], bytes],
         seam: bytes = b"",
         stop: bytes = b"",
+        max_token_bytes: int = 0,
     ):
         self._tokenize = tokenize
         self.token_bytes = token_bytes
         self.seam = seam
         self.stop = stop  # text that ends this model's answer (module docstring); b"": none
+        self.max_token_bytes = max_token_bytes  # the longest token's bytes (0: not known)
 
     @classmethod
-    def for_model(cls, model: LlamaModel) -> AnswerText:
+    def for_model(cls, model: LlamaModel, bounded: bool = False) -> AnswerText:
         """The view of `model`: plain-text tokenization (no special tokens parsed, no BOS), and the
-        seam and the transcript's stop text of a model without a chat template."""
+        seam and the transcript's stop text of a model without a chat template. `bounded`: also
+        measure the longest token (reads the whole vocabulary once), for `fewest_tokens`."""
         chat = model.has_chat_template
         return cls(
             lambda s: model.tokenize(s, add_special=False, parse_special=False),
             model.token_bytes,
             b"" if chat else b" ",
             b"" if chat else TRANSCRIPT_STOP,
+            max(len(model.token_bytes(t)) for t in range(model.n_vocab)) if bounded else 0,
         )
+
+    def fewest_tokens(self, text: bytes) -> int:
+        """A lower bound on the tokens of answer `text`, from its length alone (no token spells more
+        than `max_token_bytes`): what a side can refuse without tokenizing (0 when not known)."""
+        if not text or self.max_token_bytes <= 0:
+            return 0
+        return -(-(len(self.seam) + len(text)) // self.max_token_bytes)
 
     def tokens(self, text: bytes) -> list[int]:
         """The canonical tokens of answer `text` (whole UTF-8 characters), after the prompt."""

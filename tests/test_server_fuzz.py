@@ -5,13 +5,20 @@ not a valid message, valid-looking messages that break a rule of the current
 session state, oversized frames). Each must be answered with an `error` or
 `reject`, or the connection closed cleanly; never an internal error. Then the
 server must still serve a normal session, and its memory must stay flat.
+
+The fuzzer that holds a valid key speaks both token and text mode (protocol v3: byte positions,
+cuts inside characters, drafted text and its ranges) against a server with every production flag
+on (keys with quotas and a KV churn budget, the flywheel's record dir, the audit log, a small split
+KV budget), and checks that nothing is written outside the record and audit dirs (issue 29).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -302,7 +309,7 @@ import re  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from shared.protocol import ErrorCode, Next, Verdict  # noqa: E402
+from shared.protocol import ErrorCode, Next, TextReply, TextVerdict, Verdict  # noqa: E402
 
 N_VOCAB = 49152
 PROBE = json.dumps({"type": "fuzz-probe"})
@@ -422,6 +429,44 @@ actions = st.one_of(
     st.tuples(st.just("hello_again")),
     st.tuples(st.just("junk"), st.binary(max_size=24)),
 )
+# text mode (protocol v3): byte positions (the answer's end, around it, inside its last characters),
+# answer text with multi-byte characters, drafted text with flagged byte ranges
+answer_text = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["é", "😀", "a€", "Paris", " the sea", "日本語", "\u0301e", "x" * 200, "", "<|im_end|>"]),
+)
+byte_position = st.one_of(
+    st.just(0), st.just(0), st.just(0), st.just(0), st.integers(-4, 3), st.sampled_from([2**31, True, 1.5, None])
+)
+text_start = st.tuples(  # a valid hard position at the answer's start: the fuzzed steps go on from an answer
+    st.just("text_generate"), st.just(0), answer_text, st.just(""), st.just(None), st.booleans(), st.booleans()
+)
+text_actions = st.one_of(
+    st.tuples(st.just("text_sync"), byte_position, mostly(answer_text, odd_text)),
+    st.tuples(
+        st.just("text_generate"),
+        byte_position,
+        answer_text,
+        mostly(answer_text, odd_text),
+        st.sampled_from([1, 4, 4, 16, None, None, 0, 513, True]),
+        st.booleans(),
+        st.booleans(),
+    ),
+    st.tuples(st.just("text_rollback"), st.one_of(st.integers(-4, 1), st.sampled_from([None, 2**40, 1.0, True]))),
+    st.tuples(
+        st.just("text_verify"),
+        byte_position,
+        answer_text,
+        st.lists(st.integers(-1, 14), max_size=4),
+        st.one_of(st.sampled_from([0, 1.0, 1000]), odd_number),
+        st.booleans(),
+    ),
+    st.tuples(
+        st.just("text_generate_hidden"),
+        byte_position,
+        st.lists(st.sampled_from([0.5, -1.0, np.nan, 7e4]), min_size=1, max_size=6),
+    ),
+)
 valid_sampling = st.fixed_dictionaries(
     {},
     optional={
@@ -434,6 +479,8 @@ valid_sampling = st.fixed_dictionaries(
 hostile_hello_field = st.one_of(
     st.tuples(st.just("version"), st.sampled_from([0, 2, -1, 2**40, 1.0, True, None])),
     st.tuples(st.sampled_from(["api_key", "edge_model", "tokenizer", "client"]), odd_text),
+    st.tuples(st.just("edge_model"), st.sampled_from(["/../../fuzz", "..\\..\\fuzz", "a/b", "~root"])),
+    st.tuples(st.just("text_mode"), st.sampled_from(["always", "auto", "never", "sometimes", "", 1, None])),
     st.tuples(
         st.just("messages"),
         st.one_of(
@@ -454,6 +501,7 @@ hello_strategy = st.tuples(
                 max_size=3,
             ),
             "sampling": valid_sampling,
+            "text_mode": st.sampled_from(["never", "always", "always", "auto"]),  # always: a text session
         }
     ),
     st.one_of(st.just([]), st.just([]), st.lists(hostile_hello_field, min_size=1, max_size=2)),
@@ -513,6 +561,7 @@ class KeyedFuzzer:
                     "request_id": self.frames,
                     "position": pos(a[0]),
                     "tokens": [],
+                    "proposed": 28,  # a proposed token: the flywheel records the row (--record-dir)
                     "hidden_dim": hidden.size,
                 }
             ).encode()
@@ -551,6 +600,57 @@ class KeyedFuzzer:
             )  # type: ignore[return-value]
         if kind == "junk":
             return b"\xff\xff" + a[0]
+        return self.text_frame(action, n)
+
+    def text_frame(self, action: tuple, b: int) -> str | bytes:
+        """A text-mode frame for a session whose shared answer holds `b` bytes."""
+        kind, *a = action
+
+        def at(d: object) -> object:
+            return max(0, b + d) if isinstance(d, int) and not isinstance(d, bool) and abs(d) < 8 else d
+
+        if kind == "text_sync":
+            return dumps({"type": "text_sync", "byte_position": at(a[0]), "text": a[1]})
+        if kind == "text_generate":
+            obj = {
+                "type": "text_generate",
+                "request_id": self.frames,
+                "byte_position": at(a[0]),
+                "text": a[1],
+                "proposed_text": a[2],
+                "at_word": a[4],
+                "lookahead": a[5],
+            }
+            if a[3] is not None:
+                obj["max_tokens"] = a[3]
+            return dumps(obj)
+        if kind == "text_rollback":  # at or just before the end: often inside a multi-byte character
+            return dumps({"type": "text_rollback", "byte_position": at(a[0])})
+        if kind == "text_verify":
+            return dumps(
+                {
+                    "type": "text_verify",
+                    "request_id": self.frames,
+                    "byte_position": at(a[0]),
+                    "text": a[1],
+                    "check": a[2],
+                    "tolerance": a[3],
+                    "eog": a[4],
+                }
+            )
+        if kind == "text_generate_hidden":
+            with np.errstate(over="ignore"):
+                hidden = np.array(a[1], dtype=np.float32).astype("<f2")
+            head = dumps(
+                {
+                    "type": "text_generate",
+                    "request_id": self.frames,
+                    "byte_position": at(a[0]),
+                    "text": "",
+                    "hidden_dim": hidden.size,
+                }
+            ).encode()
+            return struct.pack(">I", len(head)) + head + hidden.tobytes()
         raise AssertionError(kind)
 
     def exchange(self, ws, frame: str | bytes) -> tuple[list, int | None]:
@@ -575,7 +675,9 @@ class KeyedFuzzer:
             raise AssertionError(f"no answer to {str(frame)[:120]!r}") from None
 
     def check(self, msg, frame) -> None:
-        assert isinstance(msg, (Accept, Reject, Error, Tokens, Next, Verdict)), f"{str(frame)[:100]!r} -> {msg}"
+        assert isinstance(msg, (Accept, Reject, Error, Tokens, Next, Verdict, TextReply, TextVerdict)), (
+            f"{str(frame)[:100]!r} -> {msg}"
+        )
         if isinstance(msg, (Error, Reject)):
             assert msg.code in CODES, (
                 f"{str(frame)[:120]!r} -> {msg.code}: {msg.message if isinstance(msg, Error) else msg.reason}"
@@ -586,19 +688,42 @@ class KeyedFuzzer:
         else:
             self.count(msg.type)
 
-    def run(self, hello: tuple, steps: list[tuple]) -> None:
+    def run(self, hello: tuple, steps: list[tuple], text_steps: list[tuple] = ()) -> None:
+        """One session: the hello, then `steps` (a token session) or `text_steps` (a text session)."""
         with connect(self.server.url, open_timeout=10, compression=None, max_size=None) as ws:
             replies, closed = self.exchange(ws, self.hello_frame(hello))
             accepts = [r for r in replies if isinstance(r, Accept)]
             if closed is not None or not accepts:
                 assert closed is not None or any(isinstance(r, Reject) for r in replies) or replies, replies
                 return
-            n = accepts[0].n_prompt
-            for action in steps:
+            text = accepts[0].mode == "text"
+            self.count("text session" if text else "token session")
+            n = 0 if text else accepts[0].n_prompt  # text: the answer's bytes; tokens: the history's length
+            for action in text_steps if text else steps:
                 replies, closed = self.exchange(ws, self.frame(action, n))
                 if closed is not None:
                     return
-                n = self.history_after(action, n, replies)
+                n = self.text_after(action, n, replies) if text else self.history_after(action, n, replies)
+
+    @staticmethod
+    def text_after(action: tuple, b: int, replies: list) -> int:
+        """The shared answer's length in bytes after `action`, from its answers (errors name it in doubt)."""
+        for r in replies:
+            if isinstance(r, Error) and (m := re.search(r"holds (\d+) bytes", r.message)):
+                return int(m.group(1))
+        ends = [r.byte_position + len(r.text.encode()) for r in replies if isinstance(r, TextReply)]
+        ends += [
+            r.byte_position + r.accepted_bytes + len(r.text.encode()) for r in replies if isinstance(r, TextVerdict)
+        ]
+        if ends:
+            return max(ends)
+        kind, a = action[0], (action[1] if len(action) > 1 else None)
+        small = isinstance(a, int) and not isinstance(a, bool) and abs(a) < 8
+        if not replies and kind == "text_sync" and small and max(0, b + a) == b and isinstance(action[2], str):
+            return b + len(action[2].encode())
+        if not replies and kind == "text_rollback" and small:
+            return max(0, b + a)
+        return b
 
     @staticmethod
     def history_after(action: tuple, n: int, replies: list) -> int:
@@ -624,15 +749,63 @@ def run_keyed(fuzzer: KeyedFuzzer, examples: int) -> None:
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
-    @given(hello_strategy, st.lists(actions, min_size=1, max_size=6))
-    def one(hello: tuple, steps: list[tuple]) -> None:
-        fuzzer.run(hello, steps)
+    @given(
+        hello_strategy,
+        st.lists(actions, min_size=1, max_size=6),
+        st.tuples(text_start, st.lists(st.one_of(text_actions, text_actions, text_actions, actions), max_size=6)).map(
+            lambda t: [t[0], *t[1]]
+        ),
+    )
+    def one(hello: tuple, steps: list[tuple], text_steps: list[tuple]) -> None:
+        fuzzer.run(hello, steps, text_steps)
 
     one()
 
 
-def test_a_client_with_a_valid_key_gets_named_errors_or_clean_closes_never_internal(fuzz_server, cloud_info):
+@pytest.fixture(scope="module")
+def prod_fuzz_server(tmp_path_factory):
+    """Every production flag on: a key with quotas (sessions, tokens per minute, an abuse cap, a KV churn
+    budget), the flywheel's record dir, the audit log, a small split KV budget (two sessions resident)."""
+    root = tmp_path_factory.mktemp("prodfuzz")
+    key = "fuzz-key-" + os.urandom(4).hex()
+    (root / "keys.txt").write_text(
+        f"{key} name=fuzz max_sessions=3 tokens_per_minute=3000 max_cloud_fraction=0.8 kv_churn_per_minute=4096\n"
+    )
+    args = [
+        "--api-keys",
+        str(root / "keys.txt"),
+        "--record-dir",
+        str(root / "records"),
+        "--audit-dir",
+        str(root / "audit"),
+        "--kv-layout",
+        "split",
+        "--n-ctx",
+        "1024",
+        "--kv-slots",
+        "2",
+        "--max-sessions",
+        "4",
+        "--abuse-warmup-tokens",
+        "8",
+        "--max-message-bytes",
+        str(MAX_BYTES),
+        "--max-messages-per-s",
+        "100000",
+    ]
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
+        server.api_key = key  # the key file's, with its quotas (the server's own plain key has none)
+        server.root = root  # type: ignore[attr-defined]
+        yield server
+
+
+def test_a_client_with_a_valid_key_gets_named_errors_or_clean_closes_never_internal(prod_fuzz_server, cloud_info):
+    """Token and text sessions, fuzzed, against every production flag: named errors or clean closes only,
+    memory flat, no session leaked, nothing written outside the record and audit dirs."""
+    fuzz_server = prod_fuzz_server
     proc = psutil.Process(fuzz_server.proc.pid)
+    root: Path = fuzz_server.root
+    outside_before = {p for p in root.parent.rglob("*") if p.is_file()}
     fuzzer = KeyedFuzzer(fuzz_server, cloud_info)
     t0 = time.monotonic()
     run_keyed(fuzzer, 25)  # warm-up: allocator pools, caches
@@ -641,7 +814,7 @@ def test_a_client_with_a_valid_key_gets_named_errors_or_clean_closes_never_inter
     rss_after = proc.memory_info().rss
     print(f"keyed fuzz: {fuzzer.frames} frames in {time.monotonic() - t0:.0f} s: {fuzzer.outcomes}")
     assert fuzzer.frames - frames_before >= 150
-    for reached in ("accept", "tokens", "bad_field", "out_of_order", "close 1000"):
+    for reached in ("accept", "tokens", "bad_field", "out_of_order", "close 1000", "text session", "text_reply"):
         assert fuzzer.outcomes.get(reached), f"the fuzzer never reached {reached!r}: {fuzzer.outcomes}"
     assert rss_after - rss_before < 24 << 20, f"server memory grew by {(rss_after - rss_before) >> 20} MiB"
     deadline = time.monotonic() + 20
@@ -656,3 +829,6 @@ def test_a_client_with_a_valid_key_gets_named_errors_or_clean_closes_never_inter
         raise AssertionError(
             "sessions leaked after the keyed fuzz run; server log:\n" + "\n".join(fuzz_server.log[-40:])
         )
+    written = {p for p in root.parent.rglob("*") if p.is_file()} - outside_before
+    allowed = (root / "records", root / "audit")
+    assert all(any(d in p.parents for d in allowed) for p in written), [p for p in written if root not in p.parents]

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from edge_client.cloud_link import CloudLink, CloudRejected, CloudUnavailable
+from edge_client.cloud_link import CloudBusy, CloudLink, CloudRejected, CloudUnavailable
 from edge_client.generator import RoutedGenerator
 from edge_client.local_cloud import loopback_server
 from edge_client.options import GeneratorOptions
@@ -234,6 +234,8 @@ class AppCore:
             }
         except CloudRejected as e:
             return {"ok": False, "message": f"the cloud refused the session: {e} (check the API key)"}
+        except CloudBusy as e:  # reachable, the key works, no room now: answers come from the device meanwhile
+            return {"ok": False, "message": f"{cloud_label(cloud)} is full right now: {e}"}
         except (CloudUnavailable, OSError) as e:
             return {"ok": False, "message": f"cannot reach {cloud_label(cloud)}: {e}"}
         except Exception as e:  # a server that speaks something else
