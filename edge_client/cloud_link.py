@@ -4,7 +4,8 @@ The decoding loop is synchronous (llama.cpp is), so this uses the `websockets`
 library's threading client: `sync` is a send that returns at once, `generate`
 sends and waits for the tokens with a deadline. Any failure raises
 CloudUnavailable and leaves the link closed; the generator then finishes on
-the device and marks the answer degraded.
+the device and marks the answer degraded. A full server (`reject busy`) is
+such a failure too (`CloudBusy`); other refusals are `CloudRejected`.
 
 The link also records the tokens the cloud holds (`held`, `cloud_len`), so the
 device knows which tokens to send with the next message and how to bring a
@@ -19,6 +20,7 @@ device asked for it) the link holds the answer text the cloud holds
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, TypeVar
@@ -37,6 +39,7 @@ from shared.protocol import (
     Accept,
     Close,
     Error,
+    ErrorCode,
     Generate,
     Hello,
     Message,
@@ -75,8 +78,32 @@ class CloudTimeout(CloudUnavailable):
     was rolled back on the cloud, so the device can write the position itself and go on."""
 
 
+class CloudBusy(CloudUnavailable):
+    """The cloud is full (`reject busy`: every session slot, or the key's, is taken): like an unreachable
+    cloud, not a configuration error, so the device answers alone and marks the answer degraded."""
+
+
+class WakingConnection(ClientConnection):
+    """websockets' threading client connection, whose `close_socket` also wakes a read blocked in TLS.
+
+    Why: the library's reader thread waits in select(), then reads. Over TLS a readable socket may hold
+    only a session ticket; the SSL read then blocks for application data, and closing the socket does
+    not wake it. A TLS server that finished the handshake and then said nothing (stuck, overloaded, a
+    middlebox) made `connect(open_timeout=2)` wait forever (plain ws:// gave up after 2 s), and so
+    would `close()`. Every wait of the library's for that thread follows `close_socket`, so shutting
+    the socket down there (the TCP socket itself, under TLS) bounds them all by their own timeouts."""
+
+    def close_socket(self) -> None:
+        try:
+            socket.socket.shutdown(self.socket, socket.SHUT_RDWR)
+        except OSError:  # already shut down, closed, or never connected
+            pass
+        super().close_socket()
+
+
 class CloudRejected(ConnectionError):
-    """The cloud refused the session (auth, vocabulary, version, capacity): `code` says why."""
+    """The cloud refused the session (auth, vocabulary, version): `code` says why. A configuration
+    error to report; a full server (`busy`) is `CloudBusy` instead."""
 
     def __init__(self, code: str, reason: str) -> None:
         super().__init__(f"cloud rejected the session ({code}): {reason}")
@@ -160,7 +187,12 @@ class CloudLink:
         try:
             # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
             self._ws = connect(
-                self.url, open_timeout=self.connect_timeout_s, max_size=self._max_bytes + 4096, compression=None
+                self.url,
+                open_timeout=self.connect_timeout_s,
+                close_timeout=self.connect_timeout_s,
+                max_size=self._max_bytes + 4096,
+                compression=None,
+                create_connection=WakingConnection,
             ).__enter__()
         except (OSError, TimeoutError, WebSocketException) as exc:
             self._ws = None
@@ -183,6 +215,8 @@ class CloudLink:
             raise
         if isinstance(reply, Reject):
             self.close_quietly()
+            if reply.code == ErrorCode.BUSY:
+                raise CloudBusy(f"the cloud is full ({reply.reason}); the device answers alone")
             raise CloudRejected(reply.code, reply.reason)
         if not isinstance(reply, Accept):
             self.close_quietly()

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -20,8 +23,10 @@ from cloud_server.audit import AuditLog, AuditOptions
 from cloud_server.auth import KeyChecker, digest
 from cloud_server.local import LocalCloudServer
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, Quotas, SessionGuard
+from edge_client.cloud_link import CloudLink, CloudUnavailable, WakingConnection
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared import routing_log
+from shared.model_info import ModelInfo
 from shared.protocol import PROTOCOL_VERSION, Accept, Hello, SamplingParams, decode, encode
 from shared.sampling import Sampler, SamplingError
 from tests.conftest import chat
@@ -112,38 +117,35 @@ def test_audit_sampling_retention_and_rollbacks(tmp_path):
         AuditLog(AuditOptions(str(tmp_path), sample_rate=2.0), "c")
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
-def test_tls_through_uvicorn_options(tmp_path, cloud_info):
+@pytest.fixture
+def tls_cert(tmp_path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+        + ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True,
         capture_output=True,
         env=dict(os.environ),
     )
+    return cert, key
+
+
+def test_tls_through_uvicorn_options(tls_cert, cloud_info):
+    cert, key = tls_cert
     with LocalCloudServer(
         model=DEFAULT_CLOUD_MODEL, extra_args=["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
     ) as server:
         assert server.url.startswith("wss://")
         ctx = ssl.create_default_context(cafile=str(cert))
-        with connect(server.url, ssl=ctx, open_timeout=10) as ws:
+        # the device's own connection class: a server that stalls fails this test in 30 s, never hangs it
+        try:
+            ws = connect(server.url, ssl=ctx, open_timeout=30, create_connection=WakingConnection)
+        except TimeoutError:
+            pytest.fail("the TLS server did not answer the upgrade in 30 s; its log:\n" + "\n".join(server.log[-30:]))
+        with ws:
             ws.send(
                 encode(
                     Hello(
@@ -155,7 +157,47 @@ def test_tls_through_uvicorn_options(tmp_path, cloud_info):
                     )
                 )
             )
-            assert isinstance(decode(ws.recv(timeout=10)), Accept)
+            assert isinstance(decode(ws.recv(timeout=30)), Accept)
+
+
+def test_a_tls_cloud_that_goes_silent_after_the_handshake_cannot_hang_the_device(tls_cert, monkeypatch):
+    """A server that completes TLS and then answers nothing: the device gives up within its connect
+    timeout and answers alone (`CloudUnavailable`). websockets' own client waited forever here (its
+    reader blocked in an SSL read that closing the socket does not wake); `WakingConnection` fixes it.
+    Stand-in: a bare TLS socket, since the real server does not stall on purpose."""
+    cert, key = tls_cert
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept_and_say_nothing() -> None:
+        conn, _ = listener.accept()
+        held.append(server_ctx.wrap_socket(conn, server_side=True))  # the handshake, then silence
+
+    thread = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    thread.start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the device trusts the test's certificate
+    link = CloudLink(f"wss://127.0.0.1:{listener.getsockname()[1]}/v1/route", "key", connect_timeout_s=1.0)
+    outcome: list[BaseException] = []
+
+    def open_link() -> None:
+        try:
+            link.open(cast(ModelInfo, None), [], [], SamplingParams())  # fails at the connection, before the hello
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome.append(exc)
+
+    opener = threading.Thread(target=open_link, daemon=True)
+    opener.start()
+    opener.join(20)
+    try:
+        assert not opener.is_alive(), "the device still waits for a silent TLS server after 20 s"
+        assert len(outcome) == 1 and isinstance(outcome[0], CloudUnavailable), outcome
+        assert "cannot connect" in str(outcome[0]) and held, "the TLS handshake itself must have completed"
+    finally:
+        listener.close()
+        for s in held:
+            s.close()
 
 
 def test_sampling_refuses_non_finite_logits_and_probabilities_by_name():
