@@ -42,6 +42,23 @@ def hello(info: ModelInfo, api_key: str, question: str = "say hi", **fields: Any
     )
 
 
+def hello_json(info: ModelInfo, api_key: str, question: str = "say hi", /, **fields: Any) -> str:
+    """`hello` as the raw JSON frame, for tests that send what no `Hello` would hold (bad field
+    values, unknown fields): `fields` are written as they are and override the defaults
+    (`api_key=` too: the parameters before `/` are positional-only)."""
+    return json.dumps(
+        {
+            "type": "hello",
+            "version": PROTOCOL_VERSION,
+            "api_key": api_key,
+            "edge_model": info.fingerprint,
+            "tokenizer": info.tokenizer_fingerprint,
+            "messages": chat(question),
+            **fields,
+        }
+    )
+
+
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0, poll_s: float = 0.05) -> Any:
     """Poll `cond` until it returns something truthy or `timeout` passes; returns its last value
     (so `assert wait_for(...)` fails when time runs out)."""

@@ -280,7 +280,10 @@ def test_check_keeps_only_tokens_the_cloud_accepts(edge_model, edge_info, cloud_
     `check_nats`. The eval's `+verify` methods assume exactly this rule. With
     "after-first-clause" the first clause and one token more follow the per-token rules
     (router and lookahead guesses, released at once), and the check takes over after them."""
-    nats, tol, threshold = 1.0, KERNEL_NOISE_NATS, 0.6
+    # the shipped router's top score per answer here is 0.3-0.63 (measured with and without
+    # kernel noise): at 0.6 a CPU could flag nothing in all thirteen questions, at 0.4 each
+    # outcome shows up within a few
+    nats, tol, threshold = 1.0, KERNEL_NOISE_NATS, 0.4
     gen = make_generator(
         edge_model,
         cloud_server,

@@ -29,12 +29,10 @@ from models.registry import DEFAULT_CLOUD_MODEL
 from shared.decision import TIE_NATS
 from shared.llama_backend import DecodeItem
 from shared.protocol import (
-    PROTOCOL_VERSION,
     Accept,
     Error,
     ErrorCode,
     Generate,
-    Hello,
     ProtocolError,
     Rollback,
     SamplingParams,
@@ -47,6 +45,7 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingError
 from tests.conftest import QUESTIONS, chat
+from tests.helpers import hello
 
 
 class Recorder:
@@ -444,7 +443,7 @@ def test_the_tie_rule_over_the_wire(cloud_server, cloud_info):
         want = second if stands else best
         question = next(q for p, q in q_of.items() if list(p) == history[: len(p)])
         with connect(cloud_server.url, open_timeout=10, compression=None) as ws:
-            acc = wire(ws, hello(cloud_server.api_key, cloud_info, question))
+            acc = wire(ws, hello(cloud_info, cloud_server.api_key, question))
             assert isinstance(acc, Accept)
             if len(history) > acc.n_prompt:
                 ws.send(encode(Sync(position=acc.n_prompt, tokens=history[acc.n_prompt :])))
@@ -598,7 +597,7 @@ def test_nan_logits_reach_the_device_as_bad_field_and_the_session_survives(cloud
 
         async def main() -> None:
             conn = Connection(w, ServerConfig(insecure=True), KeyChecker([], insecure=True), cloud_info, send)
-            await conn.on_message(hello("any", cloud_info, "say hi"))
+            await conn.on_message(hello(cloud_info, "any", "say hi"))
             acc = sent[-1]
             assert isinstance(acc, Accept)
             assert conn.session is not None
@@ -624,16 +623,6 @@ def test_nan_logits_reach_the_device_as_bad_field_and_the_session_survives(cloud
 LIMITED, FREE = "limited-key", "free-key"
 
 
-def hello(key: str, info, question: str = "say hi") -> Hello:
-    return Hello(
-        version=PROTOCOL_VERSION,
-        api_key=key,
-        edge_model=info.fingerprint,
-        tokenizer=info.tokenizer_fingerprint,
-        messages=chat(question),
-    )
-
-
 def wire(ws, msg) -> object:
     ws.send(encode(msg))
     return decode(ws.recv(timeout=20))
@@ -652,7 +641,7 @@ def test_a_refused_generate_leaves_the_history_as_it_was(small_server, cloud_inf
     """A generate refused as busy (quota) or context_full keeps none of the tokens it carried: the
     device may send it again at the same position (before, the retry got out_of_order)."""
     with connect(small_server.url, open_timeout=10, compression=None) as ws:
-        acc = wire(ws, hello(LIMITED, cloud_info))
+        acc = wire(ws, hello(cloud_info, LIMITED))
         n = acc.n_prompt
         for rid in (1, 2):  # the key's two tokens
             assert isinstance(wire(ws, Generate(request_id=rid, position=n, tokens=[])), Tokens)
@@ -665,7 +654,7 @@ def test_a_refused_generate_leaves_the_history_as_it_was(small_server, cloud_inf
         assert isinstance(reply, Error) and reply.code == ErrorCode.BUSY, reply
 
     with connect(small_server.url, open_timeout=10, compression=None) as ws:
-        acc = wire(ws, hello(FREE, cloud_info))
+        acc = wire(ws, hello(cloud_info, FREE))
         n = acc.n_prompt
         reply = wire(ws, Generate(request_id=1, position=n, tokens=[28] * 300))
         assert isinstance(reply, Error) and reply.code == ErrorCode.CONTEXT_FULL, reply
@@ -677,7 +666,7 @@ def test_rollback_to_zero_then_generate_or_verify_is_a_named_error(small_server,
     """An empty history (rollback to 0) cannot be continued: bad_field saying so, and the session
     goes on (a sync at 0 restores it)."""
     with connect(small_server.url, open_timeout=10, compression=None) as ws:
-        assert isinstance(wire(ws, hello(FREE, cloud_info)), Accept)
+        assert isinstance(wire(ws, hello(cloud_info, FREE)), Accept)
         ws.send(encode(Rollback(position=0)))
         for msg in (
             Generate(request_id=1, position=0, tokens=[]),

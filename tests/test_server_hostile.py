@@ -28,6 +28,7 @@ from cloud_server.local import REPO_ROOT, LocalCloudServer
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.protocol import PROTOCOL_VERSION, Accept, Error, Generate, Hello, Reject, Sync, Tokens, decode, encode
 from tests.conftest import chat
+from tests.helpers import hello_json, wait_for
 
 QUESTIONS = ["what is the capital of france", "how do you say hello in japanese", "set a timer for ten minutes"]
 
@@ -44,28 +45,6 @@ def sessions(server: LocalCloudServer) -> int:
 def metric(server: LocalCloudServer, prefix: str) -> float:
     lines = [ln for ln in get(server.http_url + "/metrics").splitlines() if ln.startswith(prefix)]
     return float(lines[0].split()[-1]) if lines else 0.0
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
-def hello_json(server: LocalCloudServer, info, **over) -> str:
-    obj = {
-        "type": "hello",
-        "version": PROTOCOL_VERSION,
-        "api_key": server.api_key,
-        "edge_model": info.fingerprint,
-        "tokenizer": info.tokenizer_fingerprint,
-        "messages": chat("say hi"),
-        **over,
-    }
-    return json.dumps(obj)
 
 
 def raw(frame: str, placeholder: str, literal: str) -> str:
@@ -109,7 +88,7 @@ def server():
 
 def bad_hellos(server: LocalCloudServer, info) -> list[tuple[str, str]]:
     """(frame, the field the refusal must name): the values the hostile-client probe found."""
-    h = lambda **over: hello_json(server, info, **over)  # noqa: E731
+    h = lambda **over: hello_json(info, server.api_key, **over)  # noqa: E731
     return [
         (h(api_key="\ud800"), "api_key"),
         (h(api_key="x" * 1000), "api_key"),
@@ -140,7 +119,7 @@ def test_a_bad_hello_is_rejected_naming_the_field_with_a_close_frame(server, clo
 
 def test_a_bad_close_reason_is_a_named_error_and_any_valid_one_is_echoed_in_a_valid_close_frame(server, cloud_info):
     with connect(server.url, open_timeout=10, compression=None) as ws:
-        ws.send(hello_json(server, cloud_info))
+        ws.send(hello_json(cloud_info, server.api_key))
         assert isinstance(decode(ws.recv(timeout=10)), Accept)
         ws.send(json.dumps({"type": "close", "reason": "bye \ud800"}))
         reply = decode(ws.recv(timeout=10))
@@ -166,7 +145,7 @@ def honest_answers(
     def run(i: int) -> None:
         try:
             with connect(server.url, open_timeout=10, compression=None) as ws:
-                ws.send(hello_json(server, info, messages=chat(QUESTIONS[i])))
+                ws.send(hello_json(info, server.api_key, messages=chat(QUESTIONS[i])))
                 acc = decode(ws.recv(timeout=30))
                 assert isinstance(acc, Accept)
                 start.wait(timeout=30)
@@ -206,8 +185,8 @@ def hostile_client(server: LocalCloudServer, info, stop: threading.Event, seen: 
         with connect(server.url, open_timeout=10, compression=None) as ws:
             ws.send(
                 hello_json(
-                    server,
                     info,
+                    server.api_key,
                     messages=chat("tell me a story"),
                     sampling={"temperature": 10, "top_k": 1 << 20, "top_p": 1e-6, "seed": 2**32 - 1},
                 )
@@ -287,11 +266,11 @@ def test_a_full_server_rejects_a_new_hello_with_busy_and_keeps_serving(cloud_inf
         model=DEFAULT_CLOUD_MODEL, extra_args=["--max-sessions", "1", "--idle-timeout-s", "2", "--n-ctx", "1024"]
     ) as srv:
         with connect(srv.url, open_timeout=10, compression=None) as first:
-            first.send(hello_json(srv, cloud_info))
+            first.send(hello_json(cloud_info, srv.api_key))
             acc = decode(first.recv(timeout=10))
             assert isinstance(acc, Accept)
             with connect(srv.url, open_timeout=10, compression=None) as second:
-                second.send(hello_json(srv, cloud_info))
+                second.send(hello_json(cloud_info, srv.api_key))
                 reply = decode(second.recv(timeout=10))
                 assert isinstance(reply, Reject) and reply.code == "busy", reply
                 close = closed_with_frame(second)
@@ -353,7 +332,7 @@ def test_a_slow_reader_is_closed_at_the_send_timeout_and_its_session_freed(cloud
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", srv.port))
         ws = connect(srv.url, sock=sock, max_queue=4, compression=None).__enter__()  # closed below
-        ws.send(hello_json(srv, cloud_info, messages=chat("write a long poem about the sea")))
+        ws.send(hello_json(cloud_info, srv.api_key, messages=chat("write a long poem about the sea")))
         acc = decode(ws.recv(timeout=10))
         n = 900  # one token each, so the answer's end cannot stop the stream before the buffers fill
         sender = threading.Thread(
@@ -386,7 +365,7 @@ def test_a_slow_reader_is_closed_at_the_send_timeout_and_its_session_freed(cloud
         ws.close()
         # the server serves others meanwhile and after
         with connect(srv.url, open_timeout=10, compression=None) as other:
-            other.send(hello_json(srv, cloud_info))
+            other.send(hello_json(cloud_info, srv.api_key))
             acc2 = decode(other.recv(timeout=10))
             other.send(encode(Generate(request_id=1, position=acc2.n_prompt, tokens=[])))
             assert isinstance(decode(other.recv(timeout=10)), Tokens)
@@ -493,13 +472,13 @@ def test_text_logs_escape_client_values_and_drop_query_strings():
     """In-process: the text formatter keeps a client's newline on its line, tracebacks indented."""
     import io
 
-    from cloud_server.logs import setup_logging
+    from cloud_server.logs import TracebackLimit, setup_logging
 
     stream = io.StringIO()
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
-        setup_logging("info", "text", stream=stream)
+        setup_logging("info", "text", stream=stream, tracebacks=TracebackLimit())  # not the process's own
         logging.getLogger("cloud_server.session").info("reject: %s", "fp\n2026-01-01 ERROR forged \ud800")
         logging.getLogger("uvicorn.access").info(
             '%s - "%s %s HTTP/%s" %d', "1.2.3.4:5", "GET", "/healthz?api_key=SECRET", "1.1", 200

@@ -21,12 +21,10 @@ from models.registry import DEFAULT_CLOUD_MODEL
 from shared import routing_log
 from shared.llama_backend import LlamaModel
 from shared.protocol import (
-    PROTOCOL_VERSION,
     Accept,
     Close,
     Error,
     Generate,
-    Hello,
     Reject,
     Rollback,
     Sync,
@@ -35,7 +33,7 @@ from shared.protocol import (
     encode,
 )
 from tests.conftest import chat
-from tests.helpers import make_generator
+from tests.helpers import hello, make_generator, wait_for
 
 ALICE, BOB = "alice-secret-key", "bob-secret-key"
 
@@ -43,16 +41,6 @@ ALICE, BOB = "alice-secret-key", "bob-secret-key"
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
-
-
-def hello(key: str, info, question: str = "say hi") -> Hello:
-    return Hello(
-        version=PROTOCOL_VERSION,
-        api_key=key,
-        edge_model=info.fingerprint,
-        tokenizer=info.tokenizer_fingerprint,
-        messages=chat(question),
-    )
 
 
 class Client:
@@ -70,20 +58,11 @@ class Client:
         return decode(self.ws.recv(timeout=timeout))
 
     def open(self, key: str, info, question: str = "say hi"):
-        self.send(hello(key, info, question))
+        self.send(hello(info, key, question))
         return self.recv()
 
     def close(self) -> None:
         self.ws.close()
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def sessions(server: LocalCloudServer) -> int:

@@ -44,7 +44,6 @@ from shared.protocol import (
     Error,
     ErrorCode,
     Generate,
-    Hello,
     Next,
     Reject,
     Rollback,
@@ -57,7 +56,7 @@ from shared.protocol import (
 )
 from shared.sampling import NO_GUESS
 from tests.conftest import chat
-from tests.helpers import agree_up_to_a_tie, ask_json, follow_reference, reference_greedy
+from tests.helpers import agree_up_to_a_tie, ask_json, follow_reference, hello, reference_greedy
 from tests.test_server_engine import assert_implements
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,18 +156,6 @@ def generator(edge: LlamaModel, server: LocalCloudServer, timeout_s: float = 2.0
     the shipped router at 30% cloud tokens) unless `options` say otherwise."""
     opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, cloud_timeout_s=timeout_s, **options)  # type: ignore[arg-type]
     return RoutedGenerator(edge, opts, lambda: CloudLink(server.url, server.api_key, timeout_s=timeout_s))
-
-
-def hello(
-    info, api_key: str, version: int = PROTOCOL_VERSION, question: str = "what is the capital of france"
-) -> Hello:
-    return Hello(
-        version=version,
-        api_key=api_key,
-        edge_model=info.fingerprint,
-        tokenizer=info.tokenizer_fingerprint,
-        messages=chat(question),
-    )
 
 
 # --------------------------------------------------------------------------- the engine alone

@@ -322,6 +322,9 @@ def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):
         assert lo <= gap + 1e-3 and gap - 1e-3 <= hi, (m, lo, gap, hi)
 
 
+SCORE_TOLERANCE = 0.2  # a router score's change under kernel noise: 0.13 measured (see below), with a margin
+
+
 @pytest.mark.skipif(not DEFAULT_ROUTER.is_file(), reason="no shipped router")
 @pytest.mark.kernel
 def test_shipped_router_metrics_match_a_relabelling(edge_info):
@@ -332,8 +335,10 @@ def test_shipped_router_metrics_match_a_relabelling(edge_info):
     kernels may still break a near-tie the other way: a position where either model's two best
     tokens are within the kernels' noise (KERNEL_NOISE_NATS) may flip its mismatch and, through
     the device's proposed token, its score. Exactly those positions are excused, however many;
-    every other one must match: the mismatch exactly, the score within 0.12 (0.03 on average; the
-    hidden state moves with the kernels: up to 0.08 under `make test-noise`'s harsher noise)."""
+    every other one must match: the mismatch exactly, the score within SCORE_TOLERANCE (the router
+    reads the hidden state and the logits, which move with the kernels: measured under `make
+    test-noise`, seeds 1-3, a held position's score moved by up to 0.13, 0.033 on average per
+    prompt; a change to the features or the weights moves them far more)."""
     router = load_router(DEFAULT_ROUTER, edge_info)
     recorded = router.meta["check"]["prompts"]
     assert all(len(c["answer"]) == c["n_positions"] == len(c["mismatch"]) == len(c["scores"]) for c in recorded)
@@ -345,7 +350,11 @@ def test_shipped_router_metrics_match_a_relabelling(edge_info):
         held = ~here.near_tie
         assert (here.mismatch[held] == np.array(c["mismatch"])[held]).all(), (c["prompt"], np.flatnonzero(held))
         diff = np.abs(here.scores[held] - np.array(c["scores"])[held])
-        assert diff.max() < 0.12 and diff.mean() < 0.03, (c["prompt"], diff.max(), diff.mean())
+        assert diff.max() < SCORE_TOLERANCE and diff.mean() < SCORE_TOLERANCE / 4, (
+            c["prompt"],
+            diff.max(),
+            diff.mean(),
+        )
     m = router.meta["metrics"]
     assert m["auc_divergent"] > m["entropy_auc_divergent"], (
         "the shipped router must rank divergent tokens better than entropy"
