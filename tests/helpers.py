@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -25,6 +26,23 @@ from shared.policy import RoutingPolicy
 from shared.protocol import PROTOCOL_VERSION, Hello
 from shared.router import HeuristicRouter, Router
 from tests.conftest import ROOT, chat
+
+
+def get(url: str) -> str:
+    """The body of a GET on the test server's HTTP side (health, metrics, info)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def sessions(server: LocalCloudServer) -> int:
+    """How many sessions the server holds, as /healthz reports them."""
+    return json.loads(get(server.http_url + "/healthz"))["sessions"]
+
+
+def metric(server: LocalCloudServer, prefix: str) -> float:
+    """The first /metrics sample whose line starts with `prefix` (0 when absent)."""
+    lines = [ln for ln in get(server.http_url + "/metrics").splitlines() if ln.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def hello(info: ModelInfo, api_key: str, question: str = "say hi", **fields: Any) -> Hello:

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +50,7 @@ from shared.protocol import (
     decode,
     encode,
 )
-from tests.helpers import hello_json, wait_for
+from tests.helpers import hello_json, metric, sessions, wait_for
 
 HONEST, HOSTILE = "honest-" + os.urandom(4).hex(), "hostile-" + os.urandom(4).hex()
 QUESTION = "what is the capital of france"
@@ -61,20 +60,6 @@ SEND_QUEUE_BYTES = 16384
 
 
 # --------------------------------------------------------------------------- plumbing
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def sessions(server: LocalCloudServer) -> int:
-    return json.loads(get(server.http_url + "/healthz"))["sessions"]
-
-
-def metric(server: LocalCloudServer, prefix: str) -> float:
-    lines = [ln for ln in get(server.http_url + "/metrics").splitlines() if ln.startswith(prefix)]
-    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def no_sessions_left(server: LocalCloudServer) -> None:

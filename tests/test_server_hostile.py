@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 from websockets.exceptions import ConnectionClosed
@@ -28,23 +27,9 @@ from cloud_server.local import REPO_ROOT, LocalCloudServer
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.protocol import PROTOCOL_VERSION, Accept, Error, Generate, Hello, Reject, Sync, Tokens, decode, encode
 from tests.conftest import chat
-from tests.helpers import hello_json, wait_for
+from tests.helpers import get, hello_json, metric, sessions, wait_for
 
 QUESTIONS = ["what is the capital of france", "how do you say hello in japanese", "set a timer for ten minutes"]
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def sessions(server: LocalCloudServer) -> int:
-    return json.loads(get(server.http_url + "/healthz"))["sessions"]
-
-
-def metric(server: LocalCloudServer, prefix: str) -> float:
-    lines = [ln for ln in get(server.http_url + "/metrics").splitlines() if ln.startswith(prefix)]
-    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def raw(frame: str, placeholder: str, literal: str) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,14 +32,9 @@ from shared.protocol import (
     encode,
 )
 from tests.conftest import chat
-from tests.helpers import hello, make_generator, wait_for
+from tests.helpers import get, hello, make_generator, sessions, wait_for
 
 ALICE, BOB = "alice-secret-key", "bob-secret-key"
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
 
 
 class Client:
@@ -63,10 +57,6 @@ class Client:
 
     def close(self) -> None:
         self.ws.close()
-
-
-def sessions(server: LocalCloudServer) -> int:
-    return json.loads(get(server.http_url + "/healthz"))["sessions"]
 
 
 @pytest.fixture(scope="module")

@@ -261,6 +261,7 @@ function onTurnDone(m) {
     a.pieces.forEach((text, i) => {
       let span = t.tokens[i];
       if (!span) { addToken({ i, text, route: a.routes[i], score: a.scores[i] }); span = t.tokens[i]; }
+      span.textContent = text;
       span.className = "tok " + a.routes[i];
       span.dataset.route = a.routes[i];
       const extra = [];
@@ -271,6 +272,8 @@ function onTurnDone(m) {
       if (a.overruled_positions.includes(i)) { span.classList.add("overruled"); extra.push("the cloud's check overruled the device here"); }
       span.title = tokenTitle(a.routes[i], a.scores[i], extra.join(", "));
     });
+    // ...and the order: a token whose live event was missed was appended last; put each at its index
+    a.pieces.forEach((_, i) => t.answer.appendChild(t.tokens[i]));
     if (m.interrupted) markUnplayed(t, m.spoken_text);
   }
   renderStats(a, m);
