@@ -599,7 +599,7 @@ class CloudEngine:
         which lengthens the step for everyone)."""
         busy = [s for r in reqs if (s := self._seqs.get(r.handle)) is not None]
         if not busy:
-            return set()
+            return set(), set()
         now = time.monotonic()
         for s in busy:
             self._wake(s.use, now)

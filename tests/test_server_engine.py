@@ -359,6 +359,26 @@ def test_an_empty_history_is_a_named_error_and_the_session_goes_on(cloud_info):
         w.shutdown()
 
 
+def test_a_generate_for_a_closed_session_is_a_named_error_and_the_worker_goes_on(cloud_info):
+    """A request whose session closed while it was queued (the only request of its step) fails
+    naming the session; the scheduler's next step serves another session as before."""
+    eng, w, _ = make(cloud_info, n_ctx=1024, max_sessions=2)
+    try:
+
+        async def main() -> None:
+            prompt = prompt_of(eng, "say hi")
+            h = await w.call(eng.open, prompt, SamplingParams())
+            await w.call(eng.close, h)
+            with pytest.raises(EngineFailed, match=f"session {h} is closed"):
+                await w.generate(h)
+            other = await w.call(eng.open, prompt, SamplingParams())
+            assert (await w.generate(other)).token >= 0
+
+        asyncio.run(main())
+    finally:
+        w.shutdown()
+
+
 # --------------------------------------------------------------------------- the tie rule (shared/decision.py)
 
 TIE_MARGIN = 0.03  # nats kept from TIE_NATS on either side: a decode in another batch layout may shift a gap a little
