@@ -48,6 +48,16 @@ def edge_info():
 
 
 @pytest.fixture(scope="session")
+def edge_model(edge_info):
+    """The device model's weights, loaded once for the session (each test makes its own contexts)."""
+    from shared.llama_backend import LlamaModel
+
+    model = LlamaModel(edge_info)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
 def cloud_info():
     return model_info(DEFAULT_CLOUD_MODEL)
 

@@ -19,13 +19,6 @@ from tests.helpers import first_difference, is_greedy_choice, make_generator, re
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def edge_model(edge_info):
-    model = LlamaModel(edge_info)
-    yield model
-    model.close()
-
-
 def answer_tokens(gen: RoutedGenerator, question: str) -> tuple[list[int], list[str]]:
     a = gen.generate(chat(question), max_tokens=MAX_TOKENS)
     assert not a.degraded, "the cloud was lost during a test that needs it"

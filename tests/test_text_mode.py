@@ -67,13 +67,6 @@ from tests.helpers import (
 
 
 @pytest.fixture(scope="module")
-def edge_model(edge_info):
-    model = LlamaModel(edge_info)
-    yield model
-    model.close()
-
-
-@pytest.fixture(scope="module")
 def views(edge_info, gemma_info):
     """(SmolLM2's view, Gemma's view) of answer text: tokenizers only."""
     smol, gemma = LlamaModel(edge_info, vocab_only=True), LlamaModel(gemma_info, vocab_only=True)
@@ -396,10 +389,14 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("threshold,lookahead", [(0.0, False), (0.5, False), (0.3, True)])
-def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model_server, threshold, lookahead):
+def test_same_model_forced_into_text_mode_changes_nothing(
+    edge_model, edge_info, same_model_server, threshold, lookahead
+):
     """The same GGUF on both sides, text mode forced (`text_mode="always"`), greedy, long answers:
     with threshold 0 every position is asked (the cloud writes spans of its own tokens, the
-    device re-tokenizes each), and the text is the device's alone, byte for byte. With lookahead
+    device re-tokenizes each), and the text is the device's alone, byte for byte, up to a near-tie
+    (two tokens within kernel noise, which batched and one-token decodes may break either way).
+    With lookahead
     the cloud's text guess decides the position after each span, and changes nothing either."""
     edge_only = make_generator(edge_model, None, mode="edge")
     gen = make_generator(
@@ -422,8 +419,11 @@ def test_same_model_forced_into_text_mode_changes_nothing(edge_model, same_model
                 and not a.degraded
                 and a.cloud_capabilities == ["generate", "guess", "verify"]
             )
-            assert a.text == expected.text, q
-            assert a.n_tokens == expected.n_tokens
+            if a.text != expected.text:  # only where the model's own top two are within kernel noise
+                spelt = a.text.encode()
+                assert text_agrees_up_to_a_tie(edge_info, edge_model, chat(q), expected.tokens, spelt), (q, a.text)
+            else:
+                assert a.n_tokens == expected.n_tokens
             n += a.n_tokens
             routed += a.n_cloud_tokens
             guessed += len(a.lookahead_positions)
