@@ -59,6 +59,26 @@ class EdgeDecoder:
             self._n_decoded = n
         return self.ctx.logits(self._out), self.ctx.hidden(self._out)
 
+    def decode_reading(self, at: int) -> np.ndarray:
+        """Decode what the cache lacks, as `next_distribution` would, and read the logits at history
+        position `at` too (one more output of the same batch); a copy. A position decoded earlier
+        has lost its outputs: the cache rolls back to it and decodes from there."""
+        n = len(self.history)
+        if not 0 <= at < n:
+            raise ValueError(f"position {at} is outside the history (0..{n - 1})")
+        if at < self._n_decoded:  # the cache alone rolls back; the history stays
+            self.ctx.truncate(0, at)
+            self._n_decoded, self._out = at, -1
+        if n - at > self.ctx.n_batch and at > self._n_decoded:  # outputs must lie in the last batch: head first
+            self.ctx.decode([DecodeItem(0, self._n_decoded, self.history[self._n_decoded : at])])
+            self._n_decoded, self._out = at, -1
+        item = DecodeItem(0, self._n_decoded, self.history[self._n_decoded :])
+        offsets = sorted({at - self._n_decoded, n - 1 - self._n_decoded})
+        outs = self.ctx.decode_outputs(item, offsets)
+        read = self.ctx.logits(outs[0]).copy()
+        self._n_decoded, self._out = n, outs[-1]
+        return read
+
     def close(self) -> None:
         self.ctx.close()
 

@@ -37,6 +37,7 @@ from edge_client.cloud_link import CloudLink
 from edge_client.cloud_session import CloudSession
 from edge_client.decoder import EdgeDecoder
 from edge_client.local_cloud import loopback_cloud
+from edge_client.message_end import MessageEnd, user_message_start
 from edge_client.options import GeneratorOptions
 from edge_client.strategies import (
     ClauseCheck,
@@ -99,6 +100,8 @@ class RoutedGenerator:
         self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
         self.overruled = OverruledShare()  # running share of tokens the check overruled (the router targets the rest)
         self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
+        self.message_end = MessageEnd(edge)
+        self._ends: dict[tuple[int, ...], float] = {}  # P(end of message) by prompt up to the last word
         self._lock = threading.Lock()
 
     def reconfigure(self, **changes: object) -> None:
@@ -174,7 +177,8 @@ class RoutedGenerator:
         final transcript changed remains to decode. With `complete` (the
         pipeline's default) the whole prompt is decoded, template tail
         included, and the logits of its last position are kept: if the final
-        transcript equals the guess, `generate` starts sampling at once.
+        transcript equals the guess, `generate` starts sampling at once; the
+        same batch also reads `end_of_message` for this transcript.
         Without it the last user word is left out (it may still change or
         tokenize differently once more text follows). When the cloud is
         connected the same tokens are sent to it (not awaited) so it prefills
@@ -182,25 +186,54 @@ class RoutedGenerator:
         `generate` later keeps whatever prefix both prompts share.
         """
         if complete:
-            tokens = self.edge.chat_tokens(messages)
+            tokens, at = self.message_end.locate(messages)
         else:
-            text = self.edge.render_chat(messages, add_generation_prompt=False)
+            text, end = user_message_start(self.edge, messages, add_generation_prompt=False)
             user = messages[-1]["content"].rstrip()
-            end = text.rfind(user)
-            if end < 0 or not user:
+            if end is None or not user:
                 return 0
             cut = end + len(user.rsplit(None, 1)[0]) if len(user.split()) > 1 else end
-            tokens = self.edge.prompt_tokens(text[:cut])
+            tokens, at = self.edge.prompt_tokens(text[:cut]), None
         if not self._lock.acquire(blocking=False):
             return 0  # an answer is being generated: it owns the caches
         try:
-            keep = self.decoder.set_history(tokens)
-            if keep < len(tokens):
-                self.decoder.next_distribution()
-            if self.policy.mode != "edge":
-                self.cloud.resync(tokens)
+            return self._prefill(tokens, at)
         finally:
             self._lock.release()
+
+    def end_of_message(self, messages: list[dict], wait_s: float = 0.2) -> float | None:
+        """P(the person's message ends after its last word), as the device model reads the prompt
+        (edge_client/message_end.py): the voice pipeline's text end-of-turn signal. Computed by the
+        prefill of this prompt (so the answer then starts from the cache, nothing decoded twice) or
+        remembered from it. None when there is no word to read after, or an answer in progress held
+        the model past `wait_s`."""
+        tokens, at = self.message_end.locate(messages)
+        if at is None:
+            return None
+        known = self._ends.get(tuple(tokens[: at + 1]))
+        if known is not None:
+            return known
+        if not self._lock.acquire(timeout=wait_s):
+            return None
+        try:
+            self._prefill(tokens, at)
+        finally:
+            self._lock.release()
+        return self._ends.get(tuple(tokens[: at + 1]))
+
+    def _prefill(self, tokens: list[int], at: int | None) -> int:
+        """Make `tokens` the history and decode it; with `at`, remember P(end of message) read there.
+        Call with the lock held."""
+        keep = self.decoder.set_history(tokens)
+        key = tuple(tokens[: at + 1]) if at is not None else None
+        if key is not None and key not in self._ends:
+            self._ends[key] = self.message_end.probability(self.decoder.decode_reading(at))
+            while len(self._ends) > 16:
+                del self._ends[next(iter(self._ends))]
+        elif keep < len(tokens):
+            self.decoder.next_distribution()
+        if self.policy.mode != "edge":
+            self.cloud.resync(tokens)
         return len(tokens) - keep
 
     def close(self) -> None:

@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-wait-ms", type=int, default=None)
     ap.add_argument("--turn-threshold", type=float, default=None)
     ap.add_argument("--no-text-cue", action="store_true")
+    ap.add_argument("--no-text-model", action="store_true", help="no device-model P(end) in the end-of-turn judge")
     ap.add_argument("--judge-after-ms", type=int, default=None, help="silence before Smart Turn may run")
     ap.add_argument(
         "--judge-at",
@@ -229,6 +230,7 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     t.max_wait_ms = args.max_wait_ms or t.max_wait_ms
     t.threshold = t.threshold if args.turn_threshold is None else args.turn_threshold
     t.text_cue = not args.no_text_cue
+    t.text_model = not args.no_text_model
     t.unsure_word_prob = t.unsure_word_prob if args.unsure_word_prob is None else args.unsure_word_prob
     t.judge_at = args.judge_at or t.judge_at
     t.judge_after_ms = args.judge_after_ms or t.judge_after_ms

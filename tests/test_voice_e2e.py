@@ -355,6 +355,57 @@ def test_silence_only_cuts_the_same_question_off(engines, tmp_path):
     assert "france" not in words(obj["transcript"]) and obj["end_of_turn"]["mode"] == "silence", obj["transcript"]
 
 
+# Requests whose first half ends on a content word the function-word rule cannot flag (#30); the device
+# model reads each first half as unfinished (P(end) ~0.001), whole requests as ends.
+CONTENT_WORD_PAUSES = [("convert fifty miles to kilometers", 2), ("play some jazz music", 2)]
+
+
+@pytest.mark.parametrize("voice", ["piper", "espeak:en-us"])
+def test_a_request_paused_after_a_content_word_is_answered_once_after_the_whole_request(engines, tmp_path, voice):
+    """Each half synthesised apart (the first ends with a finished-sounding fall) and a 700 ms pause between,
+    in Piper's voice and in espeak-ng's (one the project never tuned on): one turn, whose speech ends at the
+    request's end. Without the device model's P(end) the word rule sees nothing unfinished in "convert
+    fifty" or "play some", and Smart Turn alone decides (docs/voice.md, the pause benchmark)."""
+    from turn_audio import halves_speech, voices, wav_with_silence
+
+    synth = voices([voice])[voice]
+    for text, cut in CONTENT_WORD_PAUSES:
+        said = text.split()
+        wav = tmp_path / f"{'_'.join(said[:2])}.wav"
+        true_end = wav_with_silence(halves_speech(synth, said, cut, 700), wav, lead_s=0.5, tail_s=0.6)
+        obj = run_file_turn(
+            engines.gen,
+            str(wav),
+            str(tmp_path / "r.wav"),
+            VoiceOptions(),
+            realtime=True,
+            engines=engines,
+            reply_limit_s=0.0,
+        )
+        heard, e = words(obj["transcript"]), obj["end_of_turn"]
+        # the turn's speech ended at the request's end (tiny.en mishears some of espeak's words: no spelling check)
+        assert obj["input_speech_end_s"] >= true_end - 0.2 and len(heard) >= len(said) - 1, (voice, text, obj)
+        assert e["pauses"] >= 1, (voice, text, e)  # it waited out the pause (the end itself may wait longer)
+
+
+def test_without_the_device_models_reading_the_turn_still_ends_and_says_so(engines, tmp_path, monkeypatch):
+    """The text signal's absence (here the generator raising, a stand-in for a model that cannot read the
+    prompt): the turn ends on the word rule and Smart Turn, the JSON says the signal was not read, and
+    the answer comes as before."""
+
+    def broken(messages: list[dict]) -> float | None:
+        raise RuntimeError("no logits")
+
+    monkeypatch.setattr(engines.gen, "end_of_message", broken)
+    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav", lead_s=0.5, tail_s=0.5)
+    obj = run_file_turn(
+        engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines, reply_limit_s=0.0
+    )
+    e = obj["end_of_turn"]
+    assert e["text_end"] is None and "P(end) was not read" in e["note"], e
+    assert words(obj["transcript"]) == words(QUESTION) and obj["end_of_speech_to_first_audio_ms"] is not None, obj
+
+
 @pytest.fixture(scope="module")
 def demo_turn(engines, tmp_path_factory):
     """The demo question (scripts/demo.py) once through file mode at real-time pace, with the defaults."""

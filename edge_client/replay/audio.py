@@ -59,6 +59,9 @@ class GeneratorAdapter:
     def prefill(self, messages: list[dict], complete: bool = False) -> int:
         return self.runner.gen.prefill(messages, complete=complete)
 
+    def end_of_message(self, messages: list[dict]) -> float | None:
+        return self.runner.gen.end_of_message(messages)
+
     def generate(
         self,
         messages: list[dict],

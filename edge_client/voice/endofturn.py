@@ -7,18 +7,21 @@ ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
 - Smart Turn v3.2 (pipecat-ai's BSD-2 audio model, an 8 MB int8 ONNX file in the `pipecat-ai`
   wheel): the probability that the last up-to-8 s of audio is a finished turn, from intonation
   and rhythm; ~85 ms on one idle core of the 2-core VM, 150-250 ms on a busy one (docs/voice.md).
-- the transcript of the speculative final decode: a turn that ends on a filler ("um"), a
-  conjunction, a preposition or an article is not finished, whatever the audio says (Smart Turn
-  judged 30-50 % of such hesitations in Piper's voice finished); nor one that ends on a word that
-  sounds like one ("that" for "the", "too" for "to") when Whisper was unsure of that word: the
-  audio cut at a hesitation often comes out so.
+- the transcript of the speculative final decode, read two ways: the device model's P(end of the
+  message) after its last word (edge_client/message_end.py: ~0 after "set a timer for" or "text my
+  sister that", 0.1-0.7 after a whole request; it comes from the prefill the answer needs anyway),
+  and a rule for what that model cannot see: a last word that is a filler ("um") or a function word
+  ("for"), or that sounds like one ("that" for "the") when Whisper was unsure of it (the audio cut
+  at a hesitation often comes out so).
 
-Decision: a turn that sounds finished (Smart Turn at or over its threshold, the transcript not
-mid-phrase) ends after `min_wait_ms` of silence; a transcript ending mid-phrase waits `max_wait_ms`;
-where only Smart Turn doubts it, the wait grows with the doubt, from `min_wait_ms` at the
-threshold to `max_wait_ms` at probability 0. With `mode="silence"` (or when the model file is missing
-and `on_missing="silence"`) the turn ends after the stop delay, as before, and the decision
-says so.
+Decision: the wait is short only when the signals agree. A transcript that reads as unfinished
+(the rule, or P(end) under `text_unfinished_below`) waits `max_wait_ms` whatever the audio says
+(Smart Turn judged 30-50 % of hesitations finished, more in voices it was not tuned on); a question
+Whisper closed and is sure of, with P(end) agreeing, ends after `min_wait_ms` without asking Smart
+Turn; otherwise the wait grows with the larger doubt, the audio's (Smart Turn under its threshold)
+or the text's (P(end) under `text_finished_from`), from `min_wait_ms` to `max_wait_ms`. With
+`mode="silence"` (or when the model file is missing and `on_missing="silence"`) the turn ends after
+the stop delay, as before, and the decision says so.
 """
 
 from __future__ import annotations
@@ -195,7 +198,16 @@ class TurnOptions:
     # the moment the turn is judged over, but the first audio came later (paired median +97 ms fluent, +81 ms
     # paused). Measured in docs/voice.md.
     judge_at: str = "transcript"
-    text_cue: bool = True  # a transcript ending mid-phrase also means unfinished
+    text_cue: bool = True  # the transcript counts: the function-word rule and the device model's P(end)
+    # The device model's P(end of the message) after the transcript's last word (edge_client/message_end.py):
+    # under `text_unfinished_below` the request reads as unfinished (the long wait, whatever the audio says);
+    # at or over `text_finished_from` the text agrees with a finished turn; between them the wait grows as
+    # P(end) falls (log scale). Chosen on CLINC150 train + val cuts and the pause benchmark's tuning split
+    # (scripts/bench_message_end.py, scripts/bench_voice.py --turn-study; docs/voice.md).
+    text_model: bool = True
+    text_unfinished_below: float = 0.02
+    text_finished_from: float = 0.05
+    word_rule: bool = True  # the function-word rule (below) as well: a transcript ending on "for" is unfinished
     # A last word that sounds like a function word ("that", "too", "you") and that Whisper gave a probability
     # under this counts as mid-phrase (0: never)
     unsure_word_prob: float = 0.9
@@ -218,6 +230,11 @@ class TurnOptions:
             raise ValueError(f"need 0 < min wait ({self.min_wait_ms} ms) <= max wait ({self.max_wait_ms} ms)")
         if self.judge_at not in JUDGE_AT:
             raise ValueError(f"judge_at must be one of {JUDGE_AT}, not {self.judge_at!r}")
+        if not 0 < self.text_unfinished_below <= self.text_finished_from <= 1:
+            raise ValueError(
+                "need 0 < text_unfinished_below <= text_finished_from <= 1, not "
+                f"{self.text_unfinished_below} and {self.text_finished_from}"
+            )
         if self.on_missing not in ("error", "silence"):
             raise ValueError(f"on_missing must be 'error' or 'silence', not {self.on_missing!r}")
 
@@ -230,7 +247,8 @@ class TurnDecision:
     finished: bool | None = None  # judged finished (short wait) or not (long wait); None: silence only
     probability: float | None = None  # Smart Turn's probability of a finished turn at the pause
     model_ms: float | None = None  # Smart Turn's compute time
-    text_unfinished: bool | None = None  # the transcript ended mid-phrase
+    text_unfinished: bool | None = None  # the transcript ended mid-phrase (function-word rule or device model)
+    text_end: float | None = None  # the device model's P(the request ends after the transcript's last word)
     text_sure_end: bool | None = None  # a question Whisper closed, sure of its last word: Smart Turn not asked
     last_word_prob: float | None = None  # Whisper's probability of the transcript's last word
     wait_ms: int | None = None  # the silence that ended the turn
@@ -243,8 +261,9 @@ class TurnDecision:
             d["probability"] = round(d["probability"], 3)
         if d["model_ms"] is not None:
             d["model_ms"] = round(d["model_ms"], 1)
-        if d["last_word_prob"] is not None:
-            d["last_word_prob"] = round(d["last_word_prob"], 3)
+        for key in ("last_word_prob", "text_end"):
+            if d[key] is not None:
+                d[key] = round(d[key], 4)
         return d
 
     @property
@@ -266,7 +285,8 @@ class TurnDecision:
             return f"end of turn: {self.mode} ({self.wait_ms} ms)" + (f" - {self.note}" if self.note else "")
         p = "-" if self.probability is None else f"{self.probability:.2f}"
         verdict = {True: "finished", False: "unfinished", None: "undecided"}[self.finished]
-        text = " (transcript unfinished)" if self.text_unfinished else ""
+        text = "" if self.text_end is None else f", text P(end)={self.text_end:.3f}"
+        text += " (transcript unfinished)" if self.text_unfinished else ""
         if self.text_sure_end:
             p, text = "not asked", " (the transcript closed itself)"
         return (
@@ -298,34 +318,64 @@ class EndOfTurn:
         d.probability = self.model(audio)
         d.model_ms = (time.perf_counter() - t) * 1000
 
-    def judge_text(self, d: TurnDecision, text: str, last_word_prob: float | None = None) -> None:
+    def judge_text(
+        self, d: TurnDecision, text: str, last_word_prob: float | None = None, text_end: float | None = None
+    ) -> None:
+        """The transcript's part: mid-phrase or not, and a question closed with Whisper sure of it.
+        `text_end` is the device model's P(end of the message) for it (None: not read)."""
         d.last_word_prob = last_word_prob
+        d.text_end = text_end if self.opts.text_model else None
         if self.opts.text_cue:
-            d.text_unfinished = self.unfinished(text, last_word_prob)
-            d.text_sure_end = not d.text_unfinished and sure_ending(text, last_word_prob, self.opts.sure_end_prob)
+            d.text_unfinished = self.unfinished(text, last_word_prob, d.text_end)
+            d.text_sure_end = (
+                not d.text_unfinished
+                and sure_ending(text, last_word_prob, self.opts.sure_end_prob)
+                # a "?" Whisper put after a fragment ("...do you want?") is not a closed question
+                and (d.text_end is None or d.text_end >= self.opts.text_finished_from)
+            )
 
-    def unfinished(self, text: str, last_word_prob: float | None = None) -> bool:
-        """The transcript cue with these options."""
-        return unfinished_text(text, last_word_prob, self.opts.unsure_word_prob)
+    def unfinished(self, text: str, last_word_prob: float | None = None, text_end: float | None = None) -> bool:
+        """The transcript reads as unfinished with these options: it ends mid-phrase (the function-word
+        rule) or the device model finds its end unlikely."""
+        o = self.opts
+        if o.word_rule and unfinished_text(text, last_word_prob, o.unsure_word_prob):
+            return True
+        return o.text_model and text_end is not None and text_end < o.text_unfinished_below
+
+    def text_doubt(self, d: TurnDecision) -> float:
+        """How unfinished the transcript reads, 0 (a whole request) to 1 (mid-phrase): 1 when it ends
+        mid-phrase, 0 at or over `text_finished_from`, and on a log scale of P(end) between."""
+        o = self.opts
+        if not o.text_cue:
+            return 0.0
+        if d.text_unfinished:
+            return 1.0
+        if d.text_end is None or d.text_end >= o.text_finished_from:
+            return 0.0
+        lo, hi = np.log(o.text_unfinished_below), np.log(o.text_finished_from)
+        return float(np.clip((hi - np.log(max(d.text_end, 1e-12))) / (hi - lo), 0.0, 1.0))
 
     def wait_ms(self, d: TurnDecision, stop_delay_ms: int, text_known: bool) -> int | None:
-        """The silence that ends the turn, or None while an input is still missing."""
+        """The silence that ends the turn, or None while an input is still missing.
+
+        The wait is short only when the signals agree: it grows with the larger of two doubts, the
+        audio's (Smart Turn under its threshold) and the text's (`text_doubt`), from `min_wait_ms`
+        to `max_wait_ms`. A transcript that decides alone (mid-phrase, or a sure closed question)
+        is not sent to Smart Turn."""
         if not self.smart:
             return stop_delay_ms
-        if self.opts.text_cue and text_known and d.text_decides:
-            d.finished = not d.text_unfinished  # the transcript decides alone, Smart Turn is not asked
-            return self.opts.max_wait_ms if d.text_unfinished else self.opts.min_wait_ms
-        if d.probability is None or (self.opts.text_cue and not text_known):
-            return None
         o = self.opts
-        d.finished = d.probability >= o.threshold and not d.text_unfinished
-        if d.finished:
-            return o.min_wait_ms
-        if d.text_unfinished:  # on Piper's speech Smart Turn judges 30-50% of hesitation pauses finished
-            return o.max_wait_ms  # (a comma's falling pitch); a transcript ending on "for" or "the" does not lie
-        # Smart Turn alone says unfinished: it also says so at the end of ~15% of fluent questions here
-        # (p < 0.1), so the wait grows with its doubt instead of jumping to the longest.
-        return int(round(o.min_wait_ms + (o.max_wait_ms - o.min_wait_ms) * (o.threshold - d.probability) / o.threshold))
+        if o.text_cue and text_known and d.text_decides:
+            d.finished = not d.text_unfinished  # the transcript decides alone, Smart Turn is not asked
+            return o.max_wait_ms if d.text_unfinished else o.min_wait_ms
+        if d.probability is None or (o.text_cue and not text_known):
+            return None
+        # Smart Turn says unfinished at the end of ~15% of fluent questions here (p < 0.1), so its doubt
+        # grows the wait gradually instead of jumping to the longest.
+        audio = max(0.0, (o.threshold - d.probability) / o.threshold)
+        doubt = max(audio, self.text_doubt(d))
+        d.finished = doubt == 0.0
+        return int(round(o.min_wait_ms + (o.max_wait_ms - o.min_wait_ms) * doubt))
 
 
 def load_end_of_turn(opts: TurnOptions) -> tuple[SmartTurn | None, str]:

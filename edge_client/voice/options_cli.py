@@ -56,6 +56,25 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
         "probability counts as mid-phrase (0: never; default 0.9)",
     )
     g.add_argument(
+        "--no-text-model",
+        action="store_true",
+        help="end turns without the device model's P(end of request) after the transcript's last word "
+        "(the function-word rule and Smart Turn only)",
+    )
+    g.add_argument(
+        "--text-unfinished-below",
+        type=float,
+        default=TurnOptions().text_unfinished_below,
+        help="a transcript whose P(end) is under this reads as unfinished: the longest wait (default %(default)s)",
+    )
+    g.add_argument(
+        "--text-finished-from",
+        type=float,
+        default=TurnOptions().text_finished_from,
+        help="a transcript whose P(end) is at least this reads as a whole request; under it the wait grows "
+        "(default %(default)s)",
+    )
+    g.add_argument(
         "--turn-model-missing",
         choices=("error", "silence"),
         default="error",
@@ -102,6 +121,9 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
             threshold=args.turn_threshold,
             sure_end_prob=args.sure_end_prob,
             unsure_word_prob=args.unsure_word_prob,
+            text_model=not args.no_text_model,
+            text_unfinished_below=args.text_unfinished_below,
+            text_finished_from=args.text_finished_from,
             on_missing=args.turn_model_missing,
         ),
         draft=args.draft,

@@ -137,6 +137,11 @@ class VoiceGenerator(Protocol):
         """Decode the prompt of a partial transcript ahead of time (RoutedGenerator.prefill)."""
         ...
 
+    def end_of_message(self, messages: list[dict]) -> float | None:
+        """P(the user's message ends after its last word), read by the prefill of this prompt
+        (RoutedGenerator.end_of_message): the text end-of-turn signal."""
+        ...
+
     def count_tokens(self, messages: list[dict]) -> int: ...
 
 
@@ -770,6 +775,7 @@ class VoicePipeline:
     # ------------------------------------------------------------------ recognition results (asr thread)
 
     def _on_asr(self, r: AsrResult) -> None:
+        text_end = self._text_end(r) if r.job.kind == "final" else None
         with self._lock:
             u = self._utt
             if u is None or r.job.turn != self._utt_id:
@@ -793,11 +799,13 @@ class VoicePipeline:
             u.timings.asr_final = r.done_t
             u.spec_text = r.text
             if u.decision is not None:
-                self.eot.judge_text(u.decision, r.text, r.last_word_prob)
+                self.eot.judge_text(u.decision, r.text, r.last_word_prob, text_end)
+                if text_end is None and self._wants_text_end(r.text):
+                    u.decision.note = "the device model's P(end) was not read (busy): the word rule alone"
             # No speculative answer to a transcript that ends mid-phrase, unless the turn is over: the
             # pause waits the long wait (or was a dip inside a word), and on two cores a wasted answer
             # slows the decodes that matter (the endpoint then starts the answer, as without speculation).
-            mid_phrase = self.eot.unfinished(r.text, r.last_word_prob)
+            mid_phrase = self.eot.unfinished(r.text, r.last_word_prob, text_end)
             wanted = u.endpointed or not (self.eot.smart and self.eot.opts.text_cue and mid_phrase)
             if wanted and r.text.strip() and not Dialogue.is_reset_command(r.text) and self._playing is None:
                 u.spec_turn = self._take_draft(u, r.text) or Turn(self, r.text, u.timings, held=True)
@@ -810,6 +818,20 @@ class VoicePipeline:
             self._set_wait(u)
             if self.endpointer.state == "pause":
                 self._maybe_judge()
+
+    def _wants_text_end(self, text: str) -> bool:
+        return self.eot.smart and self.eot.opts.text_cue and self.eot.opts.text_model and bool(text.strip())
+
+    def _text_end(self, r: AsrResult) -> float | None:
+        """ASR thread, outside the lock: the device model's P(end) for a final transcript. Reading it is
+        the prefill of this transcript's prompt, which the answer needs anyway (RoutedGenerator.prefill)."""
+        if not self._wants_text_end(r.text) or not self._asr_wanted(r.job):
+            return None
+        try:
+            return self.engines.gen.end_of_message(self.dialogue.messages(r.text))
+        except Exception as e:  # the turn still ends: on the word rule and Smart Turn
+            self.emit(Notice("warning", f"the device model could not read the transcript's end: {e}"))
+            return None
 
     def _draft(self, u: _Utterance, text: str) -> None:
         """A partial transcript: draft the reply from it unless the current draft has the same words.

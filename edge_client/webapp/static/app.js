@@ -331,6 +331,17 @@ function renderWaterfall(timings) {
   }
 }
 
+// Why the turn ended when it did: the silence waited and the signals that set it (endofturn.py).
+function describeEndOfTurn(d) {
+  if (!d) return "–";
+  if (d.mode !== "smart") return `on silence (${d.wait_ms} ms)${d.note ? ": " + d.note : ""}`;
+  const why = [];
+  if (d.probability !== null && d.probability !== undefined) why.push(`Smart Turn ${d.probability.toFixed(2)}`);
+  if (d.text_end !== null && d.text_end !== undefined) why.push(`text P(end) ${d.text_end.toFixed(3)}`);
+  if (d.text_sure_end) why.push("a sure question");
+  return `after ${d.wait_ms} ms of silence` + (why.length ? ` · ${why.join(" · ")}` : "") + (d.note ? ` · ${d.note}` : "");
+}
+
 function fmtBytes(n) {
   return n < 1024 ? `${n} B` : `${(n / 1024).toFixed(1)} KB`;
 }
@@ -345,6 +356,7 @@ function renderStats(a, m) {
   $("#bytes").textContent = `${fmtBytes(a.bytes_up)} / ${fmtBytes(a.bytes_down)}`;
   st.dataset.state = a.degraded ? "degraded" : m.interrupted ? "interrupted" : "complete";
   st.textContent = a.degraded ? "degraded: the device finished alone" : m.interrupted ? "interrupted" : "complete";
+  $("#end-of-turn").textContent = describeEndOfTurn(m.end_of_turn);
   const e2a = m.eos_to_first_audio_ms;
   const gaps = m.playback_gaps ? ` · ${m.playback_gaps} playback gap${m.playback_gaps > 1 ? "s" : ""} (${Math.round(m.playback_gap_ms)} ms)` : "";
   $("#last-turn h2").textContent = (e2a === null ? "Last turn" : `Last turn · ${Math.round(e2a)} ms to first audio`) + gaps;

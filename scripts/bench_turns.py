@@ -1,0 +1,249 @@
+"""The pause benchmark: does the assistant wait out a pause mid-request, in voices and phrasings it
+was never tuned on, and how long does it wait at the real end?
+
+Each item is a CLINC150 query with one silent pause (500-900 ms) at a word boundary drawn from all
+of them (not only after "for" or "in"), spoken two ways:
+
+- halves: the two halves synthesised apart and joined by the pause, so the first one ends with
+  the falling pitch of a finished sentence (what fools an audio-only judge);
+- spliced: the whole query synthesised once, silence spliced in at the word boundary (found by
+  aligning the sentence with its two halves spoken apart: tests/turn_audio.junction_span), which
+  keeps the continuing intonation of a real hesitation;
+
+in several voices: Piper (joe, the voice the project's other benchmarks use) and espeak-ng voices.
+Fluent items (no pause) measure the wait at a real end.
+
+The judges' inputs are computed as the pipeline computes them, once per pause: the VAD replayed
+frame by frame (tests/voice_audio.replay_vad), the speculative final Whisper decode with its
+last-word probability, the device model's P(end of request) (RoutedGenerator.end_of_message) and
+Smart Turn. Then every judge is replayed on the same inputs, side by side: a pause the person
+resumed from is a false cut-off when it lasts at least the wait the judge sets; at the true end,
+the wait is the dead air the judge adds (plus the decodes, reported apart).
+
+Tune on `--split tune` (CLINC150 train + val); report on `--split test`, never tuned on.
+
+    python scripts/bench_turns.py --split tune --n 40
+    python scripts/bench_turns.py --split test --n 40 --grid   # + a grid of thresholds, read only
+
+Writes build/turns_<split>.json (every pause's inputs, so judges can be replayed without audio).
+CLINC150: Larson et al., EMNLP-IJCNLP 2019, CC BY 3.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from turn_audio import boundary_items, halves_speech, spliced_speech, voices  # noqa: E402
+from voice_audio import replay_vad  # noqa: E402
+
+from edge_client.generator import RoutedGenerator  # noqa: E402
+from edge_client.options import GeneratorOptions  # noqa: E402
+from edge_client.voice.asr import AsrOptions, Transcriber, close_gaps  # noqa: E402
+from edge_client.voice.endofturn import EndOfTurn, SmartTurn, TurnOptions  # noqa: E402
+from edge_client.voice.resample import resample  # noqa: E402
+from edge_client.voice.vad import VadOptions  # noqa: E402
+from models.registry import model_info  # noqa: E402
+from shared.llama_backend import LlamaModel  # noqa: E402
+from shared.prompting import DEFAULT_SYSTEM_PROMPT  # noqa: E402
+
+DATA = Path("/work/shared/datasets/clinc150/data_full.json")
+SPLITS = {"tune": ("train", "val"), "test": ("test",)}
+RATE = 16000
+# The judges compared in one run: the rule before the device model's signal, and today's default.
+JUDGES = {
+    "before: words + Smart Turn": TurnOptions(text_model=False),
+    "now: + device model P(end)": TurnOptions(),
+    "device model, no word rule": TurnOptions(word_rule=False),
+    "device model, no fast path for a sure '?'": TurnOptions(sure_end_prob=1.0),
+}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+def with_silence(audio: np.ndarray, lead_s: float = 0.4, tail_s: float = 1.6) -> np.ndarray:
+    z = lambda s: np.zeros(int(s * RATE), np.float32)  # noqa: E731
+    return np.concatenate([z(lead_s), 0.8 * audio, z(tail_s)])
+
+
+class Signals:
+    """The pipeline's end-of-turn inputs at a pause: Whisper, the device model, Smart Turn."""
+
+    def __init__(self) -> None:
+        self.tx = Transcriber(AsrOptions())
+        self.smart = SmartTurn()
+        opts = GeneratorOptions(policy="edge", cloud="none")
+        self.model = LlamaModel(model_info(opts.edge_model))
+        self.gen = RoutedGenerator(self.model, opts, None)
+
+    def at(self, frames: list[np.ndarray], voiced: list[bool], k: int) -> dict:
+        gap = max(1, int(AsrOptions().max_gap_ms / 1000 / 0.032))
+        t0 = time.perf_counter()
+        rec = self.tx.recognize(close_gaps(frames[:k], voiced[:k], gap), final=True)
+        t1 = time.perf_counter()
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": rec.text}]
+        p_end = self.gen.end_of_message(messages) if rec.text.strip() else None
+        t2 = time.perf_counter()
+        p_turn = self.smart(np.concatenate(frames[: k + 2]))  # judge_after_ms (64 ms) into the pause
+        t3 = time.perf_counter()
+        return {
+            "text": rec.text,
+            "p_word": rec.last_word_prob,
+            "p_end": p_end,
+            "p_turn": p_turn,
+            "compute_ms": {"asr": 1000 * (t1 - t0), "text_end": 1000 * (t2 - t1), "smart_turn": 1000 * (t3 - t2)},
+        }
+
+
+def judge(opts: TurnOptions, pause: dict) -> int:
+    """The wait (ms) a judge with `opts` sets at a pause with these inputs."""
+    eot = EndOfTurn(opts, model=object())
+    d = eot.new_decision()
+    d.probability = pause["p_turn"]
+    eot.judge_text(d, pause["text"], pause["p_word"], pause["p_end"])
+    wait = eot.wait_ms(d, 250, text_known=True)
+    assert wait is not None
+    return wait
+
+
+def replay(opts: TurnOptions, rows: list[dict]) -> dict:
+    """Cut-offs and the wait at the real end for one judge over recorded rows."""
+    cut, ends = 0, []
+    for r in rows:
+        for pz in r["pauses"]:
+            wait = judge(opts, pz)
+            if not pz["resumed"]:
+                ends.append(wait)
+                break
+            if pz["ms"] >= wait:
+                cut += 1
+                break
+    paused = [r for r in rows if r["pause_ms"]]
+    return {
+        "n": len(rows),
+        "cut_off_pct": round(100 * cut / max(1, len(paused)), 1) if paused else None,
+        "end_wait_ms": {"p50": pct(ends, 50), "p90": pct(ends, 90), "mean": round(float(np.mean(ends)), 1)}
+        if ends
+        else None,
+    }
+
+
+def table(rows: list[dict], judges: dict[str, TurnOptions]) -> dict:
+    out: dict = {}
+    groups = sorted({(r["voice"], r["construction"]) for r in rows})
+    for name, opts in judges.items():
+        out[name] = {
+            f"{v} / {c}": replay(opts, [r for r in rows if (r["voice"], r["construction"]) == (v, c)])
+            for v, c in groups
+        }
+        out[name]["all paused"] = replay(opts, [r for r in rows if r["pause_ms"]])
+        out[name]["all fluent"] = replay(opts, [r for r in rows if not r["pause_ms"]])
+    return out
+
+
+def grid(rows: list[dict]) -> list[dict]:
+    """Thresholds around the defaults, each replayed: cut-offs (paused) against the fluent end wait."""
+    out = []
+    for lo, hi, max_wait in itertools.product((0.003, 0.005, 0.01, 0.02), (0.03, 0.05, 0.1), (1200, 1500)):
+        if lo > hi:
+            continue
+        opts = replace(TurnOptions(), text_unfinished_below=lo, text_finished_from=hi, max_wait_ms=max_wait)
+        p, f = replay(opts, [r for r in rows if r["pause_ms"]]), replay(opts, [r for r in rows if not r["pause_ms"]])
+        out.append(
+            {
+                "below": lo,
+                "from": hi,
+                "max_wait_ms": max_wait,
+                "cut_off_pct": p["cut_off_pct"],
+                "fluent_end_wait": f["end_wait_ms"],
+            }
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", choices=tuple(SPLITS), default="tune")
+    ap.add_argument("--n", type=int, default=40, help="paused items per voice and construction (and fluent ones)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--voices", default="piper,espeak:en-us,espeak:en-gb-x-rp")
+    ap.add_argument("--constructions", default="halves,spliced")
+    ap.add_argument("--grid", action="store_true", help="also replay a grid of text thresholds")
+    ap.add_argument("--out", default=None, help="default: build/turns_<split>.json")
+    args = ap.parse_args()
+
+    data = json.loads(DATA.read_text())
+    pool = [q for s in SPLITS[args.split] for q, _ in data[s]]
+    signals = Signals()
+    synths = voices(args.voices.split(","))
+    constructions = args.constructions.split(",")
+    rows: list[dict] = []
+    vad = VadOptions()
+    t_start = time.perf_counter()
+    for vi, (vname, synth) in enumerate(synths.items()):
+        # each voice gets its own queries and cuts (seeded), so no query's cut is learned for all voices
+        items = boundary_items(pool, args.n, seed=args.seed * 100 + vi)
+        fluent = boundary_items(pool, args.n, seed=args.seed * 100 + vi + 50)
+        jobs = [(c, it) for c in constructions for it in items] + [("fluent", it) for it in fluent]
+        for construction, (query, words, cut, pause_ms) in jobs:
+            if construction == "fluent":
+                audio, pause_ms = resample(synth.synthesize(" ".join(words)), synth.rate, RATE), 0
+            elif construction == "halves":
+                audio = halves_speech(synth, words, cut, pause_ms, RATE)
+            else:
+                # no Whisper check of the splice: it would keep only the items Whisper hears well
+                audio = spliced_speech(synth, None, words, cut, pause_ms, RATE)
+            if audio is None:
+                continue
+            frames, voiced, found = replay_vad(with_silence(audio), vad)
+            pauses = []
+            for pz in found:
+                if pz["resumed"] and pz["ms"] < TurnOptions().min_wait_ms:
+                    continue  # a dip no judge could end the turn at
+                pauses.append(pz | signals.at(frames, voiced, pz["frames"]))
+                if not pz["resumed"]:
+                    break
+            row = {"voice": vname, "construction": construction, "query": query, "cut": cut, "pause_ms": pause_ms}
+            rows.append(row | {"pauses": pauses})
+            shown = " | ".join(
+                f"{p['ms']:.0f}ms {p['text']!r} end={p['p_end'] or 0:.3f} turn={p['p_turn']:.2f}" for p in pauses
+            )
+            print(f"{len(rows):4d} {vname:18s} {construction:8s} {shown}", flush=True)
+    report = {
+        "command": " ".join(["python", "scripts/bench_turns.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {platform.processor() or platform.platform()}",
+        "split": args.split,
+        "elapsed_s": round(time.perf_counter() - t_start),
+        "decode_ms_p50": {
+            k: pct([p["compute_ms"][k] for r in rows for p in r["pauses"]], 50)
+            for k in ("asr", "text_end", "smart_turn")
+        },
+        "judges": table(rows, JUDGES),
+    }
+    if args.grid:
+        report["grid"] = grid(rows)
+    out = Path(args.out or ROOT / "build" / f"turns_{args.split}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report | {"rows": rows}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "grid"}, indent=1))
+    for g in report.get("grid", []):
+        print(g)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
