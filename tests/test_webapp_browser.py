@@ -267,6 +267,11 @@ def test_spoken_question_answered_in_the_page(app, tmp_path):
         assert chain == sorted(chain) and float(ms["first_audio_out"]) >= float(ms["endpoint_decided"])
         assert attr(d, "#cloud-badge", "data-state") == "connected"
         assert int(texts(d, "#round-trips")[0]) == a.round_trips > 0
+        # why the turn ended: the silence waited and the signals that set it (the device model's P(end) among them)
+        e = done.end_of_turn
+        assert e is not None and e.text_end is not None
+        shown = texts(d, "#end-of-turn")[0]
+        assert f"after {e.wait_ms} ms of silence" in shown and f"text P(end) {e.text_end:.3f}" in shown, shown
         assert texts(d, "#memory .msg") == [done.transcript, done.spoken_text]
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         d.save_screenshot(str(SCREENSHOT))
