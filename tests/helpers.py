@@ -254,6 +254,22 @@ def text_agrees_up_to_a_tie(
     return text == done
 
 
+def departs_where_the_text_retokenizes(model: LlamaModel, answer: list[int], text: bytes, within: int = 3) -> bool:
+    """`text` departs from `answer` (a model's own tokens) within `within` tokens after the answer's tokens
+    stop being what the tokenizer makes of their bytes (".", "\n", "\n" for ".\n\n"): a side that
+    shares text, not tokens, reads a different context from there (text mode's seam), so both
+    continuations are that model's own choices."""
+    done, i = b"", 0
+    while i < len(answer) and text.startswith(done + model.token_bytes(answer[i])):
+        done += model.token_bytes(answer[i])
+        i += 1
+    if i == len(answer):
+        return False  # no departure
+    own = model.tokenize(done.decode("utf-8", errors="replace"), add_special=False, parse_special=False)
+    k = first_difference(own, answer[:i])
+    return k is not None and i - k <= within
+
+
 def ask_json(*args: str, env: dict[str, str] | None = None) -> dict:
     """`tokenrouter-edge ask ... --json` as a user runs it (a child process): its answer object."""
     out = subprocess.run(

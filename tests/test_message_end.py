@@ -11,6 +11,9 @@ from edge_client.voice.endofturn import EndOfTurn, TurnOptions
 from tests.conftest import chat
 from tests.helpers import make_generator
 
+# P(end) read from logits: run again under kernel noise (`make test-noise`); the margins below are 10x or more.
+pytestmark = pytest.mark.kernel
+
 # The issue's own examples (#30): each fragment is a request cut before its end; P(end) after the
 # fragment is ~0.001, after the whole request 0.1-0.5 (margins far above kernel noise, 0.6 nats).
 FRAGMENTS = ["Set a timer for", "Text my sister that", "How many ounces are", "Who wrote", "Play some"]

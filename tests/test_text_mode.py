@@ -58,6 +58,7 @@ from tests.conftest import GEMMA, LONG_QUESTIONS, chat
 from tests.helpers import (
     agree_up_to_a_tie,
     ask_json,
+    departs_where_the_text_retokenizes,
     hello,
     make_generator,
     reference_greedy,
@@ -395,7 +396,10 @@ def test_same_model_forced_into_text_mode_changes_nothing(
     """The same GGUF on both sides, text mode forced (`text_mode="always"`), greedy, long answers:
     with threshold 0 every position is asked (the cloud writes spans of its own tokens, the
     device re-tokenizes each), and the text is the device's alone, byte for byte, up to a near-tie
-    (two tokens within kernel noise, which batched and one-token decodes may break either way).
+    (two tokens within kernel noise, which batched and one-token decodes may break either way), or
+    just after the device's own tokens stop being its tokenizer's tokens for their text (".", "\n",
+    "\n" where the text reads ".", "\n\n": the cloud reads the shared text, so its context differs
+    there; seen under kernel noise seed 3, where a tie made the device write two newlines).
     With lookahead
     the cloud's text guess decides the position after each span, and changes nothing either."""
     edge_only = make_generator(edge_model, None, mode="edge")
@@ -421,7 +425,9 @@ def test_same_model_forced_into_text_mode_changes_nothing(
             )
             if a.text != expected.text:  # only where the model's own top two are within kernel noise
                 spelt = a.text.encode()
-                assert text_agrees_up_to_a_tie(edge_info, edge_model, chat(q), expected.tokens, spelt), (q, a.text)
+                assert text_agrees_up_to_a_tie(
+                    edge_info, edge_model, chat(q), expected.tokens, spelt
+                ) or departs_where_the_text_retokenizes(edge_model, expected.tokens, spelt), (q, a.text, expected.text)
             else:
                 assert a.n_tokens == expected.n_tokens
             n += a.n_tokens

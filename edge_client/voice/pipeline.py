@@ -801,7 +801,7 @@ class VoicePipeline:
             if u.decision is not None:
                 self.eot.judge_text(u.decision, r.text, r.last_word_prob, text_end)
                 if text_end is None and self._wants_text_end(r.text):
-                    u.decision.note = "the device model's P(end) was not read (busy): the word rule alone"
+                    u.decision.note = "the device model's P(end) was not read: the word rule and Smart Turn alone"
             # No speculative answer to a transcript that ends mid-phrase, unless the turn is over: the
             # pause waits the long wait (or was a dip inside a word), and on two cores a wasted answer
             # slows the decodes that matter (the endpoint then starts the answer, as without speculation).
