@@ -210,16 +210,15 @@ class RoutedGenerator:
         tokens, at = self.message_end.locate(messages)
         if at is None:
             return None
-        known = self._ends.get(tuple(tokens[: at + 1]))
-        if known is not None:
-            return known
-        if not self._lock.acquire(timeout=wait_s):
-            return None
-        try:
-            self._prefill(tokens, at)
-        finally:
-            self._lock.release()
-        return self._ends.get(tuple(tokens[: at + 1]))
+        key = tuple(tokens[: at + 1])
+        if key not in self._ends:
+            if not self._lock.acquire(timeout=wait_s):
+                return None
+            try:
+                self._prefill(tokens, at)
+            finally:
+                self._lock.release()
+        return self._ends.get(key)
 
     def _prefill(self, tokens: list[int], at: int | None) -> int:
         """Make `tokens` the history and decode it; with `at`, remember P(end of message) read there.

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from turn_audio import boundary_items, halves_speech, spliced_speech, voices  # noqa: E402
+from turn_audio import boundary_items, halves_speech, spliced_speech, voices, with_silence  # noqa: E402
 from voice_audio import replay_vad  # noqa: E402
 
 from edge_client.generator import RoutedGenerator  # noqa: E402
@@ -54,7 +54,7 @@ from edge_client.options import GeneratorOptions  # noqa: E402
 from edge_client.voice.asr import AsrOptions, Transcriber, close_gaps  # noqa: E402
 from edge_client.voice.endofturn import EndOfTurn, SmartTurn, TurnOptions  # noqa: E402
 from edge_client.voice.resample import resample  # noqa: E402
-from edge_client.voice.vad import VadOptions  # noqa: E402
+from edge_client.voice.vad import FRAME_S, VadOptions  # noqa: E402
 from models.registry import model_info  # noqa: E402
 from shared.llama_backend import LlamaModel  # noqa: E402
 from shared.prompting import DEFAULT_SYSTEM_PROMPT  # noqa: E402
@@ -75,11 +75,6 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs), q)) if xs else float("nan")
 
 
-def with_silence(audio: np.ndarray, lead_s: float = 0.4, tail_s: float = 1.6) -> np.ndarray:
-    z = lambda s: np.zeros(int(s * RATE), np.float32)  # noqa: E731
-    return np.concatenate([z(lead_s), 0.8 * audio, z(tail_s)])
-
-
 class Signals:
     """The pipeline's end-of-turn inputs at a pause: Whisper, the device model, Smart Turn."""
 
@@ -91,7 +86,7 @@ class Signals:
         self.gen = RoutedGenerator(self.model, opts, None)
 
     def at(self, frames: list[np.ndarray], voiced: list[bool], k: int) -> dict:
-        gap = max(1, int(AsrOptions().max_gap_ms / 1000 / 0.032))
+        gap = max(1, int(AsrOptions().max_gap_ms / 1000 / FRAME_S))  # as VoicePipeline._asr_audio
         t0 = time.perf_counter()
         rec = self.tx.recognize(close_gaps(frames[:k], voiced[:k], gap), final=True)
         t1 = time.perf_counter()
@@ -209,7 +204,7 @@ def main() -> None:
                 audio = spliced_speech(synth, None, words, cut, pause_ms, RATE)
             if audio is None:
                 continue
-            frames, voiced, found = replay_vad(with_silence(audio), vad)
+            frames, voiced, found = replay_vad(with_silence(audio, tail_s=1.6), vad)
             pauses = []
             for pz in found:
                 if pz["resumed"] and pz["ms"] < TurnOptions().min_wait_ms:

@@ -380,11 +380,16 @@ def split_tune_test(queries: list[str], seed: int = 0, test_share: float = 0.5) 
     return tune, test
 
 
-def wav_with_silence(audio16k: np.ndarray, path: Path | str, lead_s: float = 0.4, tail_s: float = 0.6) -> float:
-    """Write 16 kHz speech to `path` with silence around it (0.8 gain, as `spoken_wav`); returns the time (s)
-    in the file where the speech truly ends, the reference for end-of-turn latency."""
+def with_silence(audio16k: np.ndarray, lead_s: float = 0.4, tail_s: float = 0.6) -> np.ndarray:
+    """16 kHz speech with silence around it, at 0.8 gain (as `spoken_wav` writes it)."""
     z = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
-    audio = np.concatenate([z(lead_s), 0.8 * np.asarray(audio16k, np.float32), z(tail_s)])
+    return np.concatenate([z(lead_s), 0.8 * np.asarray(audio16k, np.float32), z(tail_s)])
+
+
+def wav_with_silence(audio16k: np.ndarray, path: Path | str, lead_s: float = 0.4, tail_s: float = 0.6) -> float:
+    """Write `with_silence` to `path`; returns the time (s) in the file where the speech truly ends, the
+    reference for end-of-turn latency."""
+    audio = with_silence(audio16k, lead_s, tail_s)
     write_wav(path, audio, 16000)
     span = speech_span(audio, 16000)
     if span is None:

@@ -203,7 +203,7 @@ class TurnOptions:
     # under `text_unfinished_below` the request reads as unfinished (the long wait, whatever the audio says);
     # at or over `text_finished_from` the text agrees with a finished turn; between them the wait grows as
     # P(end) falls (log scale). Chosen on CLINC150 train + val cuts and the pause benchmark's tuning split
-    # (scripts/bench_message_end.py, scripts/bench_voice.py --turn-study; docs/voice.md).
+    # (scripts/bench_message_end.py, scripts/bench_turns.py; docs/voice.md).
     text_model: bool = True
     text_unfinished_below: float = 0.02
     text_finished_from: float = 0.05
