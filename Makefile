@@ -1,6 +1,6 @@
 # Two entry points (see README): `make demo` and `make test`. Both set up first.
 # For developers: `make check` (the quick loop), `make test-noise` (the kernel-sensitive tests
-# under three noise seeds), `make screenshot` (docs/app.png), `make bench`.
+# under three noise seeds), `make screenshot` (docs/app*.png), `make bench`.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tokenrouter-installed
@@ -39,8 +39,9 @@ test-noise: setup
 
 # The page after one spoken turn, for docs/app.md (the browser test saves it under build/).
 screenshot: setup
-	$(PYTEST) tests/test_webapp_browser.py -k test_spoken_question_answered_in_the_page
-	cp build/screenshots/app.png docs/app.png
+	$(PYTEST) tests/test_webapp_browser.py -k "test_spoken_question_answered_in_the_page or test_the_first_minute_explains_itself"
+	cp build/screenshots/app.png build/screenshots/app-first-click.png build/screenshots/app-no-microphone.png \
+	  build/screenshots/app-empty.png docs/
 
 bench: setup
 	$(PY) scripts/bench_routing.py

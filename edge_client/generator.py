@@ -126,6 +126,7 @@ class RoutedGenerator:
         through `connect`, e.g. to a cloud URL or key the person just changed."""
         with self._lock:
             self.cloud.retire()
+            self.cloud.last_error = ""  # an error of the old target says nothing about the new one
 
     @property
     def link(self) -> CloudLink | None:

@@ -52,9 +52,9 @@ from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.pipeline import VoiceOptions  # noqa: E402
 from edge_client.voice.wavfile import read_wav, write_wav  # noqa: E402
 from edge_client.webapp.bridge import BrowserMicrophone  # noqa: E402
+from edge_client.webapp.conversation import turn_json  # noqa: E402
 from edge_client.webapp.core import AppCore  # noqa: E402
 from edge_client.webapp.server import AppServer  # noqa: E402
-from edge_client.webapp.session import turn_json  # noqa: E402
 from edge_client.webapp.settings import SettingsStore  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
@@ -199,7 +199,7 @@ def page_turn(
     if not ok:
         return None
     t = done[0]
-    obj = turn_json(t, core)
+    obj = turn_json(t, core.settings)
     obj["timings_ms"] = obj.pop("timings")
     obj["end_of_speech_to_first_audio_ms"] = obj.pop("eos_to_first_audio_ms")
     fa = t.timings.first_audio_out

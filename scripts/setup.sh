@@ -14,6 +14,8 @@ command -v pulseaudio >/dev/null 2>&1 || need_pkgs+=(pulseaudio)
 command -v chromium >/dev/null 2>&1 || need_pkgs+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need_pkgs+=(chromium-driver)
 command -v sox >/dev/null 2>&1 || need_pkgs+=(sox)
+# a CJK font, so the page's font fallback has something to fall back to (1.6 MB)
+dpkg -s fonts-wqy-microhei >/dev/null 2>&1 || need_pkgs+=(fonts-wqy-microhei)
 # a second kind of voice for the turn-taking tests and the pause benchmark (tests/turn_audio.py)
 command -v espeak-ng >/dev/null 2>&1 || need_pkgs+=(espeak-ng)
 if [ ${#need_pkgs[@]} -gt 0 ]; then

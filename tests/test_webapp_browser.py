@@ -312,7 +312,7 @@ def test_refused_microphone_is_explained_and_a_dropped_file_still_works(app, tmp
     assert ext.read_bytes()[20:22] == b"\xfe\xff"
     with chromium(srv.url, deny_mic=True) as d:
         ready(d, core)
-        wait_for(lambda: any("refused" in n for n in notices(d)), 10, "the refused-microphone notice", d)
+        wait_for(lambda: "refused" in texts(d, "#mic-help")[0], 10, "the refused microphone explained", d)
         assert texts(d, "#mic-badge") == ["mic: refused"]
         bad = tmp_path / "notes.wav"
         bad.write_text("not audio at all\n" * 20)
@@ -612,6 +612,199 @@ def test_the_command_serves_the_page_and_quits_on_ctrl_c(tmp_path):
         if p.poll() is None:
             p.kill()
     assert not cfg.exists()
+
+
+def visible(d: Any, css: str) -> bool:
+    """The element exists, is not hidden, and lies inside the window (scrolled into view or sticky)."""
+    return bool(
+        d.execute_script(
+            "const e = document.querySelector(arguments[0]); if (!e || e.hidden) return false;"
+            "const c = getComputedStyle(e); if (c.display === 'none' || c.visibility === 'hidden') return false;"
+            "const r = e.getBoundingClientRect(); return r.bottom > 0 && r.top < innerHeight && r.height > 0",
+            css,
+        )
+    )
+
+
+def status_text(d: Any) -> str:
+    return texts(d, "#status")[0]
+
+
+def test_the_first_minute_explains_itself(app, tmp_path):
+    """A new person whose microphone is refused, in a browser that plays sound only after a click: before any
+    click the page says the microphone was refused and that a file works instead; a file dropped then is held
+    (not refused with a 409) and asked once Start is clicked; the empty page says how to begin. The bare
+    address (no token) says where the full one is."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q.wav")
+    shots = SCREENSHOT.parent
+    shots.mkdir(parents=True, exist_ok=True)
+    with chromium(srv.url, deny_mic=True) as d:  # headless Chromium then wants a click before sound, as people see
+        wait_for(lambda: visible(d, "#start-overlay"), 30, "the click the browser wants", d)
+        wait_for(lambda: "refused" in texts(d, "#start-mic")[0], 10, "the refusal, before any click", d)
+        assert "drop an audio file" in texts(d, "#start-mic")[0]
+        assert status_text(d) == "click Start" and texts(d, "#mic-badge") == ["mic: refused"]
+        d.save_screenshot(str(shots / "app-first-click.png"))
+        ask_file(d, q)  # dropped before the click: held, and the page says so
+        wait_for(lambda: "once you click Start" in texts(d, "#start-file")[0], 10, "the held file", d)
+        assert not core.active or not core.active.turns
+        d.find_element("id", "start").click()
+        wait_for(turns_done(core, 1), 60, "the held file's turn", d)
+        assert not any("409" in n or "not listening" in n for n in notices(d)), notices(d)
+        wait_for(lambda: texts(d, ".turn .answer") and texts(d, ".turn .answer")[0], 10, "the answer", d)
+        assert "capital" in texts(d, ".turn .user .text")[0].lower()
+        # after the click: the refusal stays explained where the conversation is, with the file as the way in
+        assert visible(d, "#mic-help") and "drop an audio file" in texts(d, "#mic-help")[0]
+        wait_for(lambda: status_text(d) == "no microphone: drop a file", 30, "the status without a microphone", d)
+        assert not visible(d, "#empty")  # a turn is on screen
+        d.find_element("id", "reset").click()
+        wait_for(lambda: visible(d, "#empty"), 10, "the empty prompt after a reset", d)
+        assert "Drop an audio file" in texts(d, "#empty")[0]
+        d.save_screenshot(str(shots / "app-no-microphone.png"))
+        # the address without its token: refused, saying where the full address is
+        d.get(srv.url.rsplit("/", 2)[0] + "/")
+        body = d.find_element("tag name", "body").text
+        assert "forbidden" in body and "printed in the terminal" in body and "tokenrouter-edge app" in body
+    with chromium(srv.url) as d:  # a microphone that works: the empty page says "just talk"
+        ready(d, core)
+        wait_for(lambda: visible(d, "#empty") and "Just talk" in texts(d, "#empty")[0], 10, "the empty prompt", d)
+        assert status_text(d) == "listening" and not visible(d, "#mic-help")
+        d.save_screenshot(str(shots / "app-empty.png"))
+
+
+def test_states_follow_the_mode_the_cloud_and_the_tab(app):
+    """The status pill follows the talk mode both ways; the cloud badge follows the cloud in force (offline
+    after a failed test, then pending and reachable once it is set back and tested); an old tab's banner stays
+    in view in a long conversation (the header is sticky)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    core, srv = app
+    with chromium(srv.url) as d:
+        s = ready(d, core)
+        wait_for(lambda: status_text(d) == "listening", 20, "listening", d)
+        d.find_element("id", "mode-ptt").click()
+        wait_for(lambda: status_text(d) == "hold space to talk", 10, "the push-to-talk status", d)
+        assert "Hold the space bar" in texts(d, "#empty")[0] and visible(d, "#ptt-hint")
+        # the key's label is readable on the selected (dark) button: not white on white
+        kbd = d.execute_script(
+            "const k = getComputedStyle(document.querySelector('#mode-ptt kbd'));"
+            "const b = getComputedStyle(document.querySelector('#mode-ptt'));"
+            "return [k.color, k.backgroundColor, b.backgroundColor]"
+        )
+        assert kbd[0] == "rgb(255, 255, 255)" and kbd[1] == "rgba(0, 0, 0, 0)" and kbd[2] != "rgb(255, 255, 255)", kbd
+        ActionChains(d).key_down(Keys.SPACE).perform()
+        wait_for(lambda: status_text(d) == "listening (space held)" and s.gate.talking, 5, "the held key", d)
+        ActionChains(d).key_up(Keys.SPACE).perform()
+        wait_for(lambda: status_text(d) == "hold space to talk", 5, "the released key", d)
+        d.find_element("id", "mode-hands-free").click()
+        wait_for(lambda: status_text(d) == "listening" and not s.gate.push_to_talk, 10, "hands-free again", d)
+        assert not visible(d, "#ptt-hint") and "Just talk" in texts(d, "#empty")[0]
+
+        # the cloud badge: a dead cloud fails its test (offline); set back to local it is pending, then tested
+        badge = lambda: attr(d, "#cloud-badge", "data-state")  # noqa: E731
+        d.find_element("id", "open-settings").click()
+        d.find_element("id", "s-cloud").clear()
+        d.find_element("id", "s-cloud").send_keys("ws://127.0.0.1:9/v1/route")
+        d.find_element("id", "settings-save").click()
+        wait_for(lambda: badge() == "pending", 10, "the new cloud, not yet tried", d)
+        d.find_element("id", "open-settings").click()
+        d.find_element("id", "test-cloud").click()
+        wait_for(lambda: badge() == "offline", 20, "the failed test on the badge", d)
+        assert "cannot reach" in attr(d, "#cloud-badge", "title")
+        d.find_element("id", "s-cloud").clear()
+        d.find_element("id", "s-cloud").send_keys("local")
+        d.find_element("id", "settings-save").click()
+        wait_for(lambda: badge() == "pending", 10, "the cloud set back: no stale offline", d)
+        d.find_element("id", "open-settings").click()
+        d.find_element("id", "test-cloud").click()
+        wait_for(lambda: badge() == "reachable", 30, "the passed test on the badge", d)
+        assert texts(d, "#cloud-badge") == ["cloud: reachable"]
+        d.find_element("id", "settings-cancel").click()
+
+        # CJK text (a transcript can be in any language) is drawn with a font that has it, not as boxes: two
+        # characters a font lacks draw the same .notdef box, two it has differ
+        glyphs = d.execute_script(
+            "const f = getComputedStyle(document.body).fontFamily; const c = document.createElement('canvas');"
+            "c.width = c.height = 48; const g = c.getContext('2d'); g.font = '40px ' + f;"
+            "const draw = (ch) => { g.clearRect(0, 0, 48, 48); g.fillText(ch, 2, 40);"
+            "  return g.getImageData(0, 0, 48, 48).data.join(','); };"
+            "return [f, draw('中'), draw('文'), draw('日')]"
+        )
+        assert "CJK" in glyphs[0] and len(set(glyphs[1:])) == 3, glyphs[0]
+
+        # a long conversation: the header and an old tab's banner stay in view
+        d.execute_script("document.querySelector('#turns').style.minHeight = '6000px'; scrollTo(0, 5000)")
+        assert d.execute_script("return scrollY") > 1000 and visible(d, "#status")
+        tab_a = d.current_window_handle
+        d.switch_to.new_window("tab")
+        d.get(srv.url)
+        wait_for(lambda: core.active is not s and core.active is not None, 30, "the second tab", d)
+        d.switch_to.window(tab_a)
+        wait_for(lambda: visible(d, "#banner"), 10, "the taken-over banner in view", d)
+        assert "another tab" in texts(d, "#banner")[0] and status_text(d) == "in another tab"
+
+
+def test_reload_and_reset_keep_the_conversation_true(app, tmp_path):
+    """A reloaded page shows past answers with their cloud marks and the last turn's panel, from the app's
+    records; Reset leaves the old turns readable below a divider, marked forgotten, and a reload then shows none."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, QUESTION, tmp_path / "q.wav")
+    with chromium(srv.url) as d:
+        ready(d, core)
+        ask_file(d, q)
+        wait_for(turns_done(core, 1), 60, "the turn", d)
+        done = core.active.turns[0]
+        a = done.answer
+        assert a is not None and a.n_cloud_tokens > 0
+        wait_for(lambda: attr(d, "#answer-state", "data-state"), 10, "the turn on the page", d)
+        live = (texts(d, ".turn .answer .tok.cloud"), texts(d, "#cloud-share"), texts(d, "#answer-state"))
+        d.refresh()
+        ready(d, core)
+        wait_for(lambda: texts(d, ".turn .answer"), 10, "the past turn", d)
+        assert texts(d, ".turn .answer")[0] == a.text
+        assert texts(d, ".turn .answer .tok.cloud") == live[0] and len(live[0]) == a.n_cloud_tokens
+        assert (texts(d, "#cloud-share"), texts(d, "#answer-state")) == live[1:]
+        assert attr(d, '#waterfall .stage[data-stage="first_audio_out"]', "data-ms") not in (None, "")
+        d.find_element("id", "reset").click()
+        wait_for(lambda: texts(d, ".reset-divider"), 10, "the divider", d)
+        assert d.execute_script("return [...document.querySelectorAll('.turn')].every(e => e.matches('.forgotten'))")
+        assert texts(d, "#memory li") == ["nothing yet"] and visible(d, "#empty")
+        d.refresh()
+        ready(d, core)
+        wait_for(lambda: visible(d, "#empty"), 10, "the empty page", d)
+        assert not texts(d, ".turn")
+
+
+def test_honest_labels_a_cut_answer_and_the_cloud_share(app, tmp_path):
+    """An answer cut at the token limit says so (not "complete"); the cloud share is shown against its target,
+    with why this answer differs; at 0 % the device answers alone: no cloud traffic at all."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    saved = core.vopts.max_tokens
+    core.vopts.max_tokens = 8  # the pipeline reads it when it starts (one per tab)
+    try:
+        with chromium(srv.url) as d:
+            s = ready(d, core)
+            ask_file(d, q)
+            wait_for(turns_done(core, 1), 60, "the turn", d)
+            a = s.turns[0].answer
+            assert a is not None and a.finish_reason == "length" and a.n_tokens == 8
+            wait_for(lambda: attr(d, "#answer-state", "data-state") == "cut", 10, "the cut label", d)
+            assert "cut at the limit" in texts(d, "#answer-state")[0]
+            assert texts(d, "#cloud-target")[0].startswith("target 50%")
+            assert "a short answer" in texts(d, "#cloud-why")[0]
+            d.execute_script("saveSettings({cloud_fraction: 0})")  # what the dialog's Save sends
+            wait_for(lambda: attr(d, "#cloud-badge", "data-state") == "device-only", 10, "the 0% badge", d)
+            wait_for(lambda: status_text(d) == "listening", 30, "listening", d)
+            ask_file(d, q)
+            wait_for(turns_done(core, 2), 60, "the second turn", d)
+            b = s.turns[1].answer
+            assert b is not None and b.n_cloud_tokens == 0 and b.round_trips == 0 and b.bytes_up == 0
+            wait_for(lambda: texts(d, "#cloud-target")[0].startswith("target 0%"), 10, "the 0% target", d)
+            assert "no cloud traffic" in texts(d, "#cloud-why")[0]
+    finally:
+        core.vopts.max_tokens = saved
 
 
 def test_the_browser_tests_leave_the_checkout_as_they_found_it():

@@ -20,13 +20,16 @@ import soundfile as sf
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from edge_client.answer import Answer
 from edge_client.cli import build_parser
 from edge_client.options import GeneratorOptions
 from edge_client.voice.audio_io import Frame
+from edge_client.voice.events import TurnDone
 from edge_client.voice.pipeline import VoiceOptions
 from edge_client.voice.wavfile import AudioFileError, read_audio, read_wav, write_wav
 from edge_client.webapp.bridge import BrowserMicrophone, BrowserPlayback, FrameClock, InputGate, page_time
 from edge_client.webapp.cli import cmd_app
+from edge_client.webapp.conversation import TurnLog
 from edge_client.webapp.core import AppCore, cloud_label
 from edge_client.webapp.server import AppServer
 from edge_client.webapp.settings import AppSettings, SettingsError, SettingsStore
@@ -334,3 +337,63 @@ def test_websocket_needs_token_and_origin(bare_server):
             connect(url, origin=org, open_timeout=5).close()
     with connect(ws_url, origin=origin, open_timeout=5) as ws:
         assert json.loads(ws.recv(timeout=5))["type"] == "loading"  # the core is not loaded: the page says so
+
+
+# ---------------------------------------------------------------- the conversation the page shows
+
+
+def _done(question: str, reply: str, n_tokens: int = 30, n_cloud: int = 6, **answer: object) -> TurnDone:
+    a = Answer(policy="router", text=reply, **answer)  # type: ignore[arg-type]
+    a.tokens = list(range(n_tokens))
+    a.routes = ["cloud"] * n_cloud + ["edge"] * (n_tokens - n_cloud)
+    a.scores = [0.5] * n_tokens
+    a.pieces = ["x"] * n_tokens
+    return TurnDone(question, a, reply, False)
+
+
+def hist(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [m for q, r in pairs for m in ({"role": "user", "content": q}, {"role": "assistant", "content": r})]
+
+
+def test_the_turn_log_matches_records_to_the_history_the_model_keeps():
+    """A reloaded tab gets one record per remembered pair: the newest record of a question asked twice, none for
+    a pair the log never saw, and nothing from before a reset or from turns the history trimmed."""
+    log = TurnLog()
+    s = AppSettings()
+    recs = [log.add(_done(q, r), s) for q, r in [("hi", "hello"), ("what time", "noon"), ("hi", "hello")]]
+    assert log.for_history(hist(("hi", "hello"), ("what time", "noon"), ("hi", "hello"))) == recs
+    assert log.for_history(hist(("what time", "noon"), ("hi", "hello"))) == recs[1:]  # the oldest pair trimmed
+    assert log.for_history(hist(("hi", "hello"))) == [recs[2]]  # after a reset, asked again: the newest
+    assert log.for_history(hist(("unseen", "reply"), ("hi", "hello"))) == [None, recs[2]]
+    assert log.for_history([]) == []
+    reset = TurnDone("start over", None, "", False, reset=True)
+    assert log.add(reset, s)["reset"] and len(log.records) == 3  # a reset is not a turn to show
+
+
+def test_the_cloud_share_is_shown_against_its_target_with_the_reasons_an_answer_differs():
+    log = TurnLog()
+    s = AppSettings(cloud_fraction=0.3)
+    c = log.add(_done("q", "a", n_tokens=10, n_cloud=1, overruled_positions=[4]), s)["cloud_share"]
+    assert c["answer"] == 0.1 and c["target"] == 0.3 and c["since_target"] == 0.1 and c["since_target_tokens"] == 10
+    assert c["why"] == ["a short answer: one token is 10% of it", "1 token from the cloud's check of the first clause"]
+    c = log.add(_done("q", "a", n_tokens=30, n_cloud=15), s)["cloud_share"]
+    assert c["why"] == [] and c["since_target"] == round(16 / 40, 3)  # over both answers since the target was set
+    c = log.add(_done("q", "a", n_tokens=30, n_cloud=0), s.updated({"cloud_fraction": 0.0}))["cloud_share"]
+    assert c["since_target_tokens"] == 30 and "no cloud traffic" in c["why"][0]  # a new target: counted anew
+    c = log.add(_done("q", "a", n_tokens=30, n_cloud=0, degraded=True), s)["cloud_share"]
+    assert "the device wrote the rest" in c["why"][0]
+    assert log.add(_done("q", "a", n_cloud=0), AppSettings(cloud="none"))["cloud_share"]["target"] == 0.0
+
+
+def test_a_finished_answer_says_when_it_was_cut_at_the_limit():
+    rec = TurnLog().add(_done("q", "a", finish_reason="length"), AppSettings())
+    assert rec["answer"]["finish_reason"] == "length"
+
+
+def test_the_bare_address_says_where_the_full_one_is(bare_server):
+    srv = bare_server
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/", timeout=5)
+    body = e.value.read().decode()
+    assert e.value.code == 403 and "printed in the terminal" in body and f":{srv.port}/<token>/" in body
+    assert srv.token not in body

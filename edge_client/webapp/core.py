@@ -27,6 +27,7 @@ from edge_client.voice.tts import Synthesizer
 from models.registry import model_info
 from shared.llama_backend import LlamaModel
 
+from .conversation import TurnLog
 from .settings import AppSettings, SettingsStore
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class AppCore:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.turn_listeners: list[Callable[[TurnDone], None]] = []  # tests and benchmarks observe finished turns
+        self.log = TurnLog()  # finished turns as the page shows them, for a tab that reloads
+        self._probe: tuple[tuple[str, str], dict[str, Any]] | None = None  # the last connection test of the target
         self.active: Any = None  # the connected tab's session (session.Session)
         self._stack = contextlib.ExitStack()
         self._local: tuple[str, str] | None = None
@@ -119,7 +122,7 @@ class AppCore:
                 cloud_fraction=s.cloud_fraction,
                 threshold=0.5,
                 check=s.check,
-                policy=self._policy_for(s.cloud),
+                policy=self._policy_for(s),
             )
             gen = RoutedGenerator(edge, opts, self.target)
             self._stack.callback(gen.close)
@@ -132,6 +135,16 @@ class AppCore:
             self.load_error = f"{type(e).__name__}: {e}"
         finally:
             self.ready.set()
+        if self.load_error is None and not self.device_only(self.settings):
+            # the badge says whether the cloud is there before the first answer needs it
+            threading.Thread(target=self.probe_cloud, name="cloud-probe", daemon=True).start()
+
+    def probe_cloud(self) -> None:
+        """Test the configured cloud and show the result on the connected tab."""
+        s = self.settings
+        self.test_cloud(s.cloud, s.api_key)
+        if self.active is not None:
+            self.active.send(self.cloud_status())
 
     def close(self) -> None:
         self._stack.close()
@@ -149,6 +162,9 @@ class AppCore:
                 self._point_target(new.cloud, new.api_key)
                 assert self.gen is not None
                 self.gen.reconnect_next()  # the next answer connects to the new target
+            elif self.device_only(new) and not self.device_only(old):
+                assert self.gen is not None
+                self.gen.reconnect_next()  # a share of 0 %: the session is closed, nothing more goes up
             if (new.cloud, new.cloud_fraction, new.check) != (old.cloud, old.cloud_fraction, old.check):
                 self._reconfigure(new)
             if new.pace != old.pace and self.engines is not None:
@@ -160,12 +176,15 @@ class AppCore:
     def _reconfigure(self, s: AppSettings) -> None:
         """Check mode, policy and cloud fraction for the next answer (the generator rebuilds its policy)."""
         assert self.gen is not None
-        self.gen.reconfigure(
-            check=s.check, cloud_fraction=s.cloud_fraction, threshold=0.5, policy=self._policy_for(s.cloud)
-        )
+        self.gen.reconfigure(check=s.check, cloud_fraction=s.cloud_fraction, threshold=0.5, policy=self._policy_for(s))
 
-    def _policy_for(self, cloud: str) -> str:
-        return "edge" if cloud == "none" else self.base_policy
+    def _policy_for(self, s: AppSettings) -> str:
+        """No cloud, or a cloud share of 0 %: the device answers alone (not even the check goes up)."""
+        return "edge" if self.device_only(s) else self.base_policy
+
+    @staticmethod
+    def device_only(s: AppSettings) -> bool:
+        return s.cloud == "none" or s.cloud_fraction == 0
 
     @staticmethod
     def _length_scale(pace: float) -> float | None:
@@ -190,15 +209,26 @@ class AppCore:
     # ---------------------------------------------------------------- what the page shows
 
     def cloud_status(self) -> dict[str, Any]:
+        """The cloud as it stands now: device-only, connected, offline (with why), reachable (a test just
+        passed) or pending (connects with the next answer). Never an earlier target's state."""
         s = self.settings
         gen = self.gen
-        if s.cloud == "none":
-            state, error = "device-only", ""
+        error = ""
+        if self.device_only(s):
+            state = "device-only"
         elif gen is not None and gen.link is not None and gen.link.connected:
-            state, error = "connected", ""
+            state = "connected"
+        elif gen is not None and gen.last_cloud_error:
+            state, error = "offline", gen.last_cloud_error
+        elif self._probe is not None and self._probe[0] == (s.cloud, s.api_key):
+            ok, message = self._probe[1]["ok"], self._probe[1]["message"]
+            state, error = ("reachable", "") if ok else ("offline", message)
         else:
-            state, error = "offline", (gen.last_cloud_error if gen is not None else "")
-        return {"type": "cloud", "state": state, "label": cloud_label(s.cloud), "error": error}
+            state = "pending"
+        label = cloud_label(s.cloud)
+        if s.cloud != "none" and s.cloud_fraction == 0:
+            label += "; cloud share 0%"
+        return {"type": "cloud", "state": state, "label": label, "error": error}
 
     def devices(self) -> dict[str, list[str]]:
         """Input and output device names (--audio device), or empty lists when PortAudio is missing."""
@@ -212,8 +242,17 @@ class AppCore:
         }
 
     def test_cloud(self, cloud: str, key: str | None) -> dict[str, Any]:
-        """Open and close a session with `cloud` (the stored key when `key` is None): ok, or why not."""
+        """Open and close a session with `cloud` (the stored key when `key` is None): ok, or why not.
+        A test of the cloud in force is remembered: the page's badge shows it until an answer connects."""
         key = self.settings.api_key if key is None else key
+        result = self._test_cloud(cloud, key)
+        if (cloud, key) == (self.settings.cloud, self.settings.api_key):
+            self._probe = ((cloud, key), result)
+            if result["ok"] and self.gen is not None and self.gen.last_cloud_error:
+                self.gen.reconnect_next()  # the cloud is back: the next answer connects anew
+        return result
+
+    def _test_cloud(self, cloud: str, key: str) -> dict[str, Any]:
         if cloud == "none":
             return {"ok": True, "message": "no cloud: the device answers alone"}
         try:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_UPLOAD = 64 << 20  # a dropped audio file
+NO_TOKEN = "missing or wrong token"
 
 
 class Guard:
@@ -59,6 +60,12 @@ class Guard:
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1008})
             return
+        if why == NO_TOKEN:  # a person who typed the bare address: say where the full one is
+            why += (
+                ". This is the TokenRouter assistant; its address ends with a secret token. Open the full "
+                f"address printed in the terminal where `tokenrouter-edge app` runs "
+                f"(http://127.0.0.1:{self.server.port}/<token>/)."
+            )
         await PlainTextResponse(f"forbidden: {why}", status_code=403)(scope, receive, send)
 
 
@@ -109,7 +116,7 @@ class AppServer:
             return None  # the one-time launch link checks its own nonce
         seg = path[1:].split("/", 1)[0]
         if not secrets.compare_digest(seg.encode(), self.token.encode()):
-            return "missing or wrong token"
+            return NO_TOKEN
         origin = headers.get("origin")
         if scope["type"] == "websocket" and origin not in self.origins:
             return "WebSocket from another origin"
@@ -206,6 +213,8 @@ class AppServer:
         if not core.ready.is_set() or core.gen is None:
             return JSONResponse({"ok": False, "message": "the assistant is still loading"}, status_code=409)
         result = await asyncio.to_thread(core.test_cloud, cloud, key if isinstance(key, str) and key else None)
+        if core.active is not None:
+            core.active.send(core.cloud_status())  # a test of the cloud in force updates the badge
         return JSONResponse(result)
 
     async def _file(self, request: Request) -> Response:

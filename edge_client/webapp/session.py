@@ -41,53 +41,8 @@ log = logging.getLogger(__name__)
 CLOSE_TAKEN_OVER = 4001  # WebSocket close code: another tab took the assistant
 
 
-def _round(x: float | None, nd: int = 1) -> float | None:
-    return None if x is None else round(float(x), nd)
-
-
-def turn_json(done: TurnDone, core: AppCore) -> dict[str, Any]:
-    """A finished turn for the page: what was said and kept, the waterfall, and how the answer was routed."""
-    t = done.timings
-    d: dict[str, Any] = {
-        "type": "turn_done",
-        "transcript": done.transcript,
-        "spoken_text": done.spoken_text,
-        "interrupted": done.interrupted,
-        "reset": done.reset,
-        "timings": t.relative_ms(),
-        "eos_to_first_audio_ms": _round(t.end_of_speech_to_first_audio_ms),
-        "endpoint_to_first_audio_ms": _round(t.endpoint_to_first_audio_ms),
-        "playback_gaps": t.playback_gaps,  # where synthesis fell behind playback (TurnTimings)
-        "playback_gap_ms": _round(t.playback_gap_ms),
-        "first_piece_cached": t.first_piece_cached,  # the first piece played from the synthesiser's cache
-        "draft": done.draft,
-        "end_of_turn": done.end_of_turn.to_json() if done.end_of_turn is not None else None,
-        "answer": None,
-    }
-    a = done.answer
-    if a is not None:
-        cloud_configured = core.settings.cloud != "none"
-        d["answer"] = {
-            "text": a.text,
-            "pieces": a.pieces,
-            "routes": a.routes,
-            "scores": [_round(s, 3) for s in a.scores],
-            "lookahead_positions": a.lookahead_positions,
-            "overruled_positions": a.overruled_positions,
-            "n_tokens": a.n_tokens,
-            "n_cloud_tokens": a.n_cloud_tokens,
-            "round_trips": a.round_trips,
-            "bytes_up": a.bytes_up,
-            "bytes_down": a.bytes_down,
-            "cloud_timeouts": a.cloud_timeouts,
-            "degraded": bool(a.degraded and cloud_configured),
-            "first_token_ms": _round(a.latency.first_token),
-        }
-    return d
-
-
 def event_json(ev: Event) -> dict[str, Any] | None:
-    """A pipeline event as the page's message (TurnDone is `turn_json`'s, with the core at hand)."""
+    """A pipeline event as the page's message (TurnDone is the turn log's record: conversation.py)."""
     if isinstance(ev, Listening):
         return {"type": "listening"}
     if isinstance(ev, SpeechStarted):
@@ -103,7 +58,7 @@ def event_json(ev: Event) -> dict[str, Any] | None:
             "i": tk.index,
             "text": tk.text,
             "route": tk.route,
-            "score": _round(tk.score, 3),
+            "score": None if tk.score is None else round(float(tk.score), 3),
             "lookahead": tk.lookahead,
             "overruled": tk.overruled,
         }
@@ -170,6 +125,7 @@ class Session:
             "rate_out": core.engines.synth.rate,
             "settings": core.settings.public(),
             "history": list(core.dialogue.turns),
+            "turns": core.log.for_history(core.dialogue.turns),  # each pair's record: its marks and timings
             "cloud": core.cloud_status(),
             "devices": core.devices() if core.audio == "device" else None,
             "choices": {"check": list(CHECK_MODES), "voice": [BUNDLED_VOICE]},
@@ -190,8 +146,8 @@ class Session:
                 )
         elif kind == "ready":  # the page's audio is running (or, with --audio device, the page is up)
             self._mic_on = bool(msg.get("mic"))
-            if msg.get("mic_error"):
-                self.send({"type": "notice", "level": "warning", "message": str(msg["mic_error"])})
+            if msg.get("mic_error"):  # the page shows it where the conversation is, from before any click
+                log.info("the page has no microphone: %s", msg["mic_error"])
             if self.pipe is None:
                 self.start_pipeline()
         elif kind == "mic":
@@ -223,6 +179,7 @@ class Session:
         assert self.core.dialogue is not None
         self.core.dialogue.reset()
         self._pending_reset = False
+        self.send({"type": "conversation_reset"})
         self.send({"type": "history", "history": []})
         self.send({"type": "notice", "level": "info", "message": "conversation reset"})
 
@@ -329,7 +286,7 @@ class Session:
             self.busy = True
         if isinstance(ev, TurnDone):
             self.turns.append(ev)
-            self.send(turn_json(ev, self.core))
+            self.send(self.core.log.add(ev, self.core.settings))
             self._after_turn(ev)
             return
         msg = event_json(ev)

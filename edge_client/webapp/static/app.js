@@ -9,16 +9,141 @@ const STAGES = ["speech_end", "endpoint_decided", "asr_final", "llm_first_token"
 
 const S = {
   ws: null, hello: null, settings: null, choices: null, devices: null,
-  playCtx: null, player: null, capCtx: null, capNode: null, micStream: null, micOn: false,
-  current: null, retries: 0, takenOver: false, pttDown: false, playSeq: 0,
+  playCtx: null, player: null, capCtx: null, capNode: null, micStream: null,
+  current: null, retries: 0, takenOver: false, playSeq: 0,
 };
 // What tests (and the curious) can read: reply audio received and played, per page load.
 window.trStats = { firstPlayDelayMs: null, chunks: 0, received: 0, played: 0, peak: 0, rms: 0, turns: 0, progressReports: 0 };
 
+// ------------------------------------------------------------------ the page's state
+
+// One model of what is true now. Messages from the app and the person's actions change it (`update`);
+// `render` draws the status pill, badges, banner, overlay and prompts from it alone, so nothing on screen
+// is left over from an earlier transition (a mode switch, a cloud that came back, a refused microphone).
+const view = {
+  conn: "connecting", // connecting | loading | ready | retrying | gone | taken-over | stopped
+  connMessage: "", // why it is gone or stopped
+  phase: "starting", // starting | idle | hearing | answering | speaking: the pipeline's turn
+  mode: "hands-free", // the talk mode in force (settings)
+  audioMode: "browser", // browser: the page's microphone and speaker | device: this machine's (sounddevice)
+  mic: "unknown", // unknown | on | refused | missing | unavailable | failed | stopped
+  micMessage: "", // what to do about a microphone that is not on
+  sound: "off", // off | needs-click | on: the browser plays sound only after a click on the page
+  ptt: false, // the space bar is held (push-to-talk)
+  cloud: null, // {state, label, error} from the app
+  pendingFile: null, // a file dropped before the assistant could take it: asked once it listens
+  turnsShown: 0, // turns on screen since the conversation was last reset
+};
+window.trView = view; // tests read the state the page renders
+
+function update(changes) {
+  Object.assign(view, changes);
+  render();
+}
+
+const MIC_LABEL = { on: "mic: on", unknown: "mic: …", refused: "mic: refused", missing: "mic: none",
+  unavailable: "mic: unavailable", failed: "mic: failed", stopped: "mic: stopped" };
+const CLOUD_LABEL = { connected: "cloud: connected", reachable: "cloud: reachable", pending: "cloud: connects at the next answer",
+  offline: "offline: device answers alone", "device-only": "device only" };
+
+function statusOf(v) {
+  switch (v.conn) {
+    case "connecting": return ["connecting", "connecting…"];
+    case "loading": return ["loading", "loading models…"];
+    case "retrying": case "gone": return ["disconnected", "disconnected"];
+    case "taken-over": return ["idle", "in another tab"];
+    case "stopped": return ["disconnected", "stopped"];
+    default: break;
+  }
+  if (v.sound === "needs-click") return ["idle", "click Start"];
+  if (v.phase === "starting") return ["loading", "starting…"];
+  if (v.phase === "hearing") return ["hearing", "hearing you"];
+  if (v.phase === "answering") return ["answering", "answering"];
+  if (v.phase === "speaking") return ["speaking", "speaking"];
+  if (!micUsable(v)) return ["idle", "no microphone: drop a file"];
+  if (v.mode === "push-to-talk") return v.ptt ? ["hearing", "listening (space held)"] : ["listening", "hold space to talk"];
+  return ["listening", "listening"];
+}
+
+function micUsable(v) {
+  return v.audioMode === "device" || v.mic === "on";
+}
+
+function render() {
+  const v = view;
+  const [state, text] = statusOf(v);
+  const st = $("#status");
+  st.dataset.state = state;
+  st.textContent = text;
+
+  const mic = $("#mic-badge");
+  mic.dataset.state = micUsable(v) ? "on" : "off";
+  mic.textContent = v.audioMode === "device" ? "mic: this machine's" : MIC_LABEL[v.mic] || `mic: ${v.mic}`;
+
+  const cb = $("#cloud-badge");
+  if (v.cloud) {
+    cb.dataset.state = v.cloud.state;
+    cb.textContent = CLOUD_LABEL[v.cloud.state] || v.cloud.state;
+    cb.title = `${v.cloud.label}${v.cloud.error ? " — " + v.cloud.error : ""}`;
+  }
+
+  document.body.dataset.talkMode = v.mode;
+  document.body.dataset.ptt = v.ptt ? "down" : "up";
+  $("#mode-hands-free").classList.toggle("on", v.mode === "hands-free");
+  $("#mode-ptt").classList.toggle("on", v.mode === "push-to-talk");
+  $("#ptt-hint").hidden = v.mode !== "push-to-talk" || v.conn !== "ready";
+
+  renderBanner(v);
+
+  // The start overlay: shown only while the browser waits for a click; it already says what is wrong
+  // with the microphone and what happens to a dropped file, so nothing waits for the click to be explained.
+  $("#start-overlay").hidden = v.sound !== "needs-click" || v.conn !== "ready";
+  $("#start-mic").textContent = v.audioMode === "browser" && v.mic !== "on" && v.mic !== "unknown" ? v.micMessage : "";
+  $("#start-mic").hidden = !$("#start-mic").textContent;
+  $("#start-file").textContent = v.pendingFile ? `“${v.pendingFile.name}” will be asked once you click Start.` : "";
+  $("#start-file").hidden = !v.pendingFile;
+
+  // Help where the conversation goes: the microphone's problem, or how to begin.
+  const help = $("#mic-help");
+  help.textContent = v.audioMode === "browser" && v.conn === "ready" && v.mic !== "on" && v.mic !== "unknown" ? v.micMessage : "";
+  help.hidden = !help.textContent;
+  const empty = $("#empty");
+  empty.hidden = v.turnsShown > 0 || v.conn !== "ready";
+  empty.textContent = emptyPrompt(v);
+}
+
+function emptyPrompt(v) {
+  if (!micUsable(v)) return "Drop an audio file (WAV, FLAC, OGG, MP3) anywhere on the page to ask it; the answer is spoken back.";
+  if (v.mode === "push-to-talk") return "Hold the space bar and ask a question; let go when you are done. The answer is spoken back.";
+  return "Just talk: ask a question, for example “what's the capital of Australia?” When you stop, the answer is spoken back.";
+}
+
+function renderBanner(v) {
+  const b = $("#banner");
+  b.textContent = "";
+  let text = "";
+  let action = null;
+  if (v.conn === "taken-over") {
+    text = "The assistant is now in use in another tab.";
+    action = ["Use it here", () => { S.takenOver = false; connect(); }];
+  } else if (v.conn === "retrying") text = "Lost the connection to the assistant; retrying…";
+  else if (v.conn === "gone") text = "The assistant is not running. Start it again with “tokenrouter-edge app” and open the address it prints.";
+  else if (v.conn === "stopped") text = v.connMessage;
+  b.hidden = !text;
+  if (!text) return;
+  b.textContent = text;
+  if (action) {
+    const btn = document.createElement("button");
+    btn.textContent = action[0];
+    btn.onclick = action[1];
+    b.append(" ", btn);
+  }
+}
+
 // ------------------------------------------------------------------ connection
 
 function connect() {
-  setStatus("connecting", "connecting…");
+  update({ conn: "connecting", phase: "starting" });
   const ws = new WebSocket(`ws://${location.host}${BASE}ws`);
   ws.binaryType = "arraybuffer";
   S.ws = ws;
@@ -28,18 +153,12 @@ function connect() {
     if (S.ws !== ws) return;
     S.ws = null;
     flushPlayer();
-    if (e.code === 4001 || S.takenOver) {
-      setStatus("idle", "in another tab");
-      banner("The assistant is now in use in another tab.", "Use it here", () => { S.takenOver = false; hideBanner(); connect(); });
-      return;
-    }
-    setStatus("disconnected", "disconnected");
+    if (e.code === 4001 || S.takenOver) { update({ conn: "taken-over" }); return; }
+    if (view.conn === "stopped") return;
     if (S.retries++ < 5) {
-      banner("Lost the connection to the assistant; retrying…");
+      update({ conn: "retrying" });
       setTimeout(connect, 1000 * S.retries);
-    } else {
-      banner("The assistant is not running. Start it again with “tokenrouter-edge app” and open the address it prints.");
-    }
+    } else update({ conn: "gone" });
   };
 }
 
@@ -49,19 +168,20 @@ function send(obj) {
 
 function onMessage(m) {
   switch (m.type) {
-    case "loading": setStatus("loading", "loading models…"); break;
-    case "fatal": setStatus("disconnected", "stopped"); banner(m.message); break;
+    case "loading": update({ conn: "loading" }); break;
+    case "fatal": update({ conn: "stopped", connMessage: m.message }); break;
     case "hello": onHello(m); break;
-    case "listening": setStatus("listening", S.settings && S.settings.talk_mode === "push-to-talk" ? "hold space to talk" : "listening"); break;
-    case "speech_started": setStatus("hearing", "hearing you"); renderPartial("", ""); break;
+    case "listening": update({ phase: "idle" }); askPendingFile(); break;
+    case "speech_started": update({ phase: "hearing" }); renderPartial("", ""); break;
     case "partial": renderPartial(m.stable, m.unstable); break;
-    case "final": renderPartial("", ""); if (m.text) { newTurn(m.text); setStatus("answering", "answering"); } break;
+    case "final": renderPartial("", ""); if (m.text) { newTurn(m.text); update({ phase: "answering" }); } break;
     case "token": addToken(m); break;
     case "interruption": onInterruption(m); break;
     case "turn_done": onTurnDone(m); break;
     case "notice": notice(m.level, m.message); break;
-    case "cloud": setCloud(m); break;
+    case "cloud": update({ cloud: m }); break;
     case "history": renderMemory(m.history); break;
+    case "conversation_reset": markReset(); break;
     case "settings": applySettings(m.settings); break;
     case "play_turn": S.playSeq = m.seq; if (S.player) S.player.port.postMessage({ type: "turn", seq: m.seq }); break;
     case "play_pause": if (S.player) S.player.port.postMessage({ type: "pause", paused: m.paused }); break;
@@ -78,16 +198,15 @@ async function onHello(m) {
   document.body.dataset.audioMode = m.audio;
   applySettings(m.settings);
   renderMemory(m.history);
-  if (!$("#turns").children.length) renderPastTurns(m.history);
-  setCloud(m.cloud);
-  hideBanner();
+  renderPastTurns(m.history, m.turns || []);
+  update({ conn: "ready", audioMode: m.audio, cloud: m.cloud });
   if (m.audio !== "browser") {
-    setMic(false, "this machine's");
+    update({ sound: "on" });
     send({ type: "ready", mic: false });
     return;
   }
   const micError = await startAudio();
-  send({ type: "ready", mic: S.micOn, mic_error: micError });
+  send({ type: "ready", mic: view.mic === "on", mic_error: micError });
 }
 
 // ------------------------------------------------------------------ audio
@@ -113,23 +232,31 @@ async function startAudio() {
 // The browser plays sound only after a click on the page: ask for one when it is needed.
 function audioRunning() {
   const ctxs = [S.playCtx, S.capCtx].filter(Boolean);
-  if (ctxs.every((c) => c.state === "running")) return Promise.resolve();
+  const running = () => ctxs.every((c) => c.state === "running");
+  if (running()) { update({ sound: "on" }); return Promise.resolve(); }
   Promise.all(ctxs.map((c) => c.resume())).catch(() => {});
   return new Promise((resolve) => {
     const check = () => {
-      if (ctxs.every((c) => c.state === "running")) { $("#start-overlay").hidden = true; resolve(); return true; }
+      if (running()) { update({ sound: "on" }); resolve(); return true; }
       return false;
     };
-    setTimeout(() => { if (!check()) { $("#start-overlay").hidden = false; setStatus("idle", "click Start"); } }, 300);
+    setTimeout(() => { if (!check()) update({ sound: "needs-click" }); }, 300);
     $("#start").onclick = async () => { await Promise.all(ctxs.map((c) => c.resume())); check(); };
   });
 }
 
+// Opens the microphone; returns null, or what is wrong and what to do (also shown at once, before any click).
 async function startMic() {
   if (S.micStream) return null;
+  const err = await openMic();
+  if (err) update({ mic: err[0], micMessage: err[1] });
+  return err ? err[1] : null;
+}
+
+async function openMic() {
+  const fileToo = "Until then you can drop an audio file (WAV, FLAC, OGG, MP3) on the page to ask a question.";
   if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) {
-    setMic(false, "unavailable");
-    return "This browser gives the page no microphone. You can still drop an audio file to ask a question.";
+    return ["unavailable", `This browser gives the page no microphone. ${fileToo}`];
   }
   const aec = !S.settings || S.settings.echo_cancellation !== false;
   try {
@@ -137,12 +264,11 @@ async function startMic() {
       audio: { echoCancellation: aec, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
     });
   } catch (e) {
-    setMic(false, "refused");
     if (e.name === "NotAllowedError" || e.name === "SecurityError") {
-      return "Microphone access was refused. Allow it for this page (the icon left of the address) and reload. Until then you can drop an audio file to ask a question.";
+      return ["refused", `Microphone access was refused. Allow it for this page (the icon left of the address) and reload. ${fileToo}`];
     }
-    if (e.name === "NotFoundError") return "No microphone was found. Plug one in and reload; meanwhile you can drop an audio file.";
-    return `The microphone could not be opened (${e.name}: ${e.message}); meanwhile you can drop an audio file.`;
+    if (e.name === "NotFoundError") return ["missing", `No microphone was found. Plug one in and reload. ${fileToo}`];
+    return ["failed", `The microphone could not be opened (${e.name}: ${e.message}). ${fileToo}`];
   }
   try {
     try { S.capCtx = new AudioContext({ sampleRate: 16000, latencyHint: "interactive" }); } catch (e) { S.capCtx = new AudioContext(); }
@@ -153,16 +279,15 @@ async function startMic() {
     S.capNode.port.onmessage = (e) => { if (S.ws && S.ws.readyState === WebSocket.OPEN) S.ws.send(e.data); };
   } catch (e) {
     stopMic();
-    setMic(false, "failed");
-    return `The microphone could not be read (${e.name}: ${e.message}).`;
+    return ["failed", `The microphone could not be read (${e.name}: ${e.message}). ${fileToo}`];
   }
   S.micStream.getAudioTracks()[0].onended = () => {
     stopMic();
-    setMic(false, "stopped");
+    update({ mic: "stopped", micMessage: "The microphone stopped (unplugged, or taken by another program). Reload to use it again, or drop an audio file." });
     send({ type: "mic", on: false });
     notice("warning", "The microphone stopped (unplugged, or taken by another program).");
   };
-  setMic(true);
+  update({ mic: "on", micMessage: "" });
   return null;
 }
 
@@ -170,7 +295,6 @@ function stopMic() {
   if (S.micStream) S.micStream.getTracks().forEach((t) => t.stop());
   if (S.capCtx) S.capCtx.close().catch(() => {});
   S.micStream = S.capCtx = S.capNode = null;
-  S.micOn = false;
 }
 
 async function restartMic() {
@@ -178,7 +302,7 @@ async function restartMic() {
   const err = await startMic();
   if (err) notice("warning", err);
   if (S.capCtx && S.capCtx.state !== "running") await audioRunning();
-  send({ type: "mic", on: S.micOn });
+  send({ type: "mic", on: view.mic === "on" });
 }
 
 function onAudio(buf) {
@@ -190,7 +314,7 @@ function onAudio(buf) {
   trStats.received += f.length;
   if (seq !== S.firstChunkSeq) { S.firstChunkSeq = seq; S.firstChunkAt = performance.now(); }
   if (S.player) S.player.port.postMessage({ type: "chunk", seq, samples: f }, [f.buffer]);
-  if (seq === S.playSeq) setStatus("speaking", "speaking");
+  if (seq === S.playSeq && view.phase !== "speaking") update({ phase: "speaking" });
 }
 
 function onPlayerReport(e) {
@@ -218,6 +342,7 @@ function newTurn(userText) {
   el.querySelector(".user .text").textContent = userText;
   $("#turns").appendChild(el);
   S.current = { el, answer: el.querySelector(".answer"), tokens: [] };
+  update({ turnsShown: view.turnsShown + 1 });
   el.scrollIntoView({ block: "end" });
 }
 
@@ -252,32 +377,35 @@ function onInterruption(m) {
 
 function onTurnDone(m) {
   trStats.turns += 1;
-  if (m.reset) { S.current = null; setStatus("listening", "listening"); return; }
-  renderWaterfall(m.timings);
-  const a = m.answer;
-  const t = S.current;
-  if (a && t) {
-    // The final record decides: routes, the cloud's guesses and its overrules.
-    a.pieces.forEach((text, i) => {
-      let span = t.tokens[i];
-      if (!span) { addToken({ i, text, route: a.routes[i], score: a.scores[i] }); span = t.tokens[i]; }
-      span.textContent = text;
-      span.className = "tok " + a.routes[i];
-      span.dataset.route = a.routes[i];
-      const extra = [];
-      if (a.lookahead_positions.includes(i)) {
-        if (a.routes[i] === "cloud") { span.classList.add("lookahead"); extra.push("the cloud's lookahead guess"); }
-        else extra.push("the cloud's guess was near enough: the device kept its token");
-      }
-      if (a.overruled_positions.includes(i)) { span.classList.add("overruled"); extra.push("the cloud's check overruled the device here"); }
-      span.title = tokenTitle(a.routes[i], a.scores[i], extra.join(", "));
-    });
-    // ...and the order: a token whose live event was missed was appended last; put each at its index
-    a.pieces.forEach((_, i) => t.answer.appendChild(t.tokens[i]));
-    if (m.interrupted) markUnplayed(t, m.spoken_text);
-  }
-  renderStats(a, m);
+  update({ phase: "idle" });
+  if (m.reset) { S.current = null; markReset(); return; }
+  if (m.answer && S.current) renderAnswer(S.current, m);
+  renderLastTurn(m);
   S.current = null;
+}
+
+// The final record decides: each token's route, the cloud's guesses and its overrules. Used for a live turn
+// (over the tokens already streamed) and for a past one (a reloaded page), so both look the same.
+function renderAnswer(t, m) {
+  const a = m.answer;
+  a.pieces.forEach((text, i) => {
+    let span = t.tokens[i];
+    if (!span) { addToken({ i, text, route: a.routes[i], score: a.scores[i] }); span = t.tokens[i]; }
+    span.textContent = text;
+    span.className = "tok " + a.routes[i];
+    span.dataset.route = a.routes[i];
+    const extra = [];
+    if (a.lookahead_positions.includes(i)) {
+      if (a.routes[i] === "cloud") { span.classList.add("lookahead"); extra.push("the cloud's lookahead guess"); }
+      else extra.push("the cloud's guess was near enough: the device kept its token");
+    }
+    if (a.overruled_positions.includes(i)) { span.classList.add("overruled"); extra.push("the cloud's check overruled the device here"); }
+    span.title = tokenTitle(a.routes[i], a.scores[i], extra.join(", "));
+  });
+  // ...and the order: a token whose live event was missed was appended last; put each at its index
+  a.pieces.forEach((_, i) => t.answer.appendChild(t.tokens[i]));
+  if (a.finish_reason === "length") t.el.classList.add("cut");
+  if (m.interrupted) markUnplayed(t, m.spoken_text);
 }
 
 // After a barge-in only what was played stays in the history: dim the rest of the answer.
@@ -289,19 +417,39 @@ function markUnplayed(t, kept) {
     n += span.textContent.replace(/\s+/g, "").length;
     if (n > keptChars) span.classList.add("unplayed");
   }
+  t.el.classList.add("interrupted");
   const k = t.el.querySelector(".kept");
   k.hidden = false;
   k.textContent = `interrupted · kept in history: “${kept}”`;
 }
 
-// A reloaded page (or one that took over) shows the conversation so far, as the history holds it.
-function renderPastTurns(history) {
+// A reloaded page (or one that took over) shows the conversation the assistant remembers: each turn from its
+// record (cloud marks and all) where the app has one, else as the history holds it; the last turn's panel too.
+function renderPastTurns(history, records) {
+  if ($("#turns").children.length) return;
+  let last = null;
   for (let i = 0; i + 1 < (history || []).length; i += 2) {
     newTurn(history[i].content);
-    S.current.answer.textContent = history[i + 1].content;
+    const rec = records[i / 2];
+    if (rec && rec.answer) { renderAnswer(S.current, rec); last = rec; }
+    else S.current.answer.textContent = history[i + 1].content;
     S.current.el.classList.add("past");
   }
   S.current = null;
+  if (last) renderLastTurn(last);
+}
+
+// "start over" or Reset: the turns above stay readable, marked as forgotten, below a divider.
+function markReset() {
+  const turns = $("#turns");
+  if (!turns.querySelector(".turn:not(.forgotten)")) return;
+  turns.querySelectorAll(".turn").forEach((el) => el.classList.add("forgotten"));
+  const hr = document.createElement("div");
+  hr.className = "reset-divider";
+  hr.textContent = "conversation reset: the assistant has forgotten the turns above";
+  turns.appendChild(hr);
+  update({ turnsShown: 0 });
+  hr.scrollIntoView({ block: "end" });
 }
 
 function renderPartial(stable, unstable) {
@@ -309,15 +457,19 @@ function renderPartial(stable, unstable) {
   $("#partial .unstable").textContent = unstable;
 }
 
+// Stages in the order they ended (the endpoint can be decided after the transcript is final); missing ones last.
 function renderWaterfall(timings) {
   const vals = STAGES.map((s) => timings[s]).filter((v) => v !== null && v !== undefined);
   const lo = Math.min(0, ...vals);
   const hi = Math.max(1, ...vals);
-  $("#waterfall").classList.remove("empty");
+  const wf = $("#waterfall");
+  wf.classList.remove("empty");
+  const rows = [];
   for (const s of STAGES) {
     const row = $(`#waterfall .stage[data-stage="${s}"]`);
     const v = timings[s];
     const bar = row.querySelector(".bar");
+    rows.push([v === null || v === undefined ? Infinity : v, STAGES.indexOf(s), row]);
     if (v === null || v === undefined) {
       row.dataset.ms = "";
       bar.style.width = "0";
@@ -329,6 +481,7 @@ function renderWaterfall(timings) {
     bar.style.width = `${(Math.abs(v) / (hi - lo)) * 100}%`;
     row.querySelector(".ms").textContent = `${Math.round(v)}`;
   }
+  rows.sort((x, y) => x[0] - y[0] || x[1] - y[1]).forEach(([, , row]) => wf.appendChild(row));
 }
 
 // Why the turn ended when it did: the silence waited and the signals that set it (endofturn.py).
@@ -346,16 +499,31 @@ function fmtBytes(n) {
   return n < 1024 ? `${n} B` : `${(n / 1024).toFixed(1)} KB`;
 }
 
-function renderStats(a, m) {
+const pct = (x) => `${Math.round(x * 100)}%`;
+
+// What the answer was: complete, cut at the token limit, interrupted, or finished by the device alone.
+function answerState(a, m) {
+  if (a.degraded) return ["degraded", "degraded: the device finished alone"];
+  if (m.interrupted) return ["interrupted", "interrupted"];
+  if (a.finish_reason === "length") return ["cut", `cut at the limit (${a.n_tokens} tokens): not a complete answer`];
+  return ["complete", "complete"];
+}
+
+function renderLastTurn(m) {
+  renderWaterfall(m.timings);
+  const a = m.answer;
   const st = $("#answer-state");
-  if (!a) { st.textContent = "–"; return; }
-  const share = a.n_tokens ? a.n_cloud_tokens / a.n_tokens : 0;
-  $("#cloud-share").textContent = `${Math.round(share * 100)}% (${a.n_cloud_tokens}/${a.n_tokens})`;
-  $("#cloud-share-bar").style.width = `${share * 100}%`;
+  if (!a) { st.textContent = "–"; st.dataset.state = ""; return; }
+  const c = m.cloud_share;
+  $("#cloud-share").textContent = `${pct(c.answer)} (${a.n_cloud_tokens}/${a.n_tokens})`;
+  $("#cloud-share-bar").style.width = `${c.answer * 100}%`;
+  $("#cloud-target").textContent = c.since_target === null
+    ? `target ${pct(c.target)}`
+    : `target ${pct(c.target)} · ${pct(c.since_target)} of ${c.since_target_tokens} tokens since it was set`;
+  $("#cloud-why").textContent = c.why.join("; ");
   $("#round-trips").textContent = `${a.round_trips}`;
   $("#bytes").textContent = `${fmtBytes(a.bytes_up)} / ${fmtBytes(a.bytes_down)}`;
-  st.dataset.state = a.degraded ? "degraded" : m.interrupted ? "interrupted" : "complete";
-  st.textContent = a.degraded ? "degraded: the device finished alone" : m.interrupted ? "interrupted" : "complete";
+  [st.dataset.state, st.textContent] = answerState(a, m);
   $("#end-of-turn").textContent = describeEndOfTurn(m.end_of_turn);
   const e2a = m.eos_to_first_audio_ms;
   const gaps = m.playback_gaps ? ` · ${m.playback_gaps} playback gap${m.playback_gaps > 1 ? "s" : ""} (${Math.round(m.playback_gap_ms)} ms)` : "";
@@ -382,26 +550,6 @@ function renderMemory(history) {
 
 // ------------------------------------------------------------------ status, notices, banner
 
-function setStatus(state, text) {
-  const el = $("#status");
-  el.dataset.state = state;
-  el.textContent = text;
-}
-
-function setCloud(c) {
-  const el = $("#cloud-badge");
-  el.dataset.state = c.state;
-  el.textContent = { connected: "cloud: connected", "device-only": "device only", offline: "offline: device answers alone" }[c.state] || c.state;
-  el.title = `${c.label}${c.error ? " — " + c.error : ""}`;
-}
-
-function setMic(on, why) {
-  S.micOn = on;
-  const el = $("#mic-badge");
-  el.dataset.state = on ? "on" : "off";
-  el.textContent = on ? "mic: on" : `mic: ${why || "off"}`;
-}
-
 function notice(level, message) {
   const el = document.createElement("div");
   el.className = "notice";
@@ -418,57 +566,33 @@ function notice(level, message) {
   while ($("#notices").children.length > 6) $("#notices").firstChild.remove();
 }
 
-function banner(text, action, onAction) {
-  const b = $("#banner");
-  b.textContent = text;
-  if (action) {
-    const btn = document.createElement("button");
-    btn.textContent = action;
-    btn.onclick = onAction;
-    b.append(" ", btn);
-  }
-  b.hidden = false;
-}
-
-function hideBanner() {
-  $("#banner").hidden = true;
-}
-
 // ------------------------------------------------------------------ talking: hands-free and push-to-talk
-
-function setTalkMode(mode) {
-  document.body.dataset.talkMode = mode;
-  $("#mode-hands-free").classList.toggle("on", mode === "hands-free");
-  $("#mode-ptt").classList.toggle("on", mode === "push-to-talk");
-  $("#ptt-hint").hidden = mode !== "push-to-talk";
-}
 
 function isTyping(e) {
   const t = e.target;
   return t && (t.tagName === "INPUT" || t.tagName === "SELECT" || t.tagName === "TEXTAREA" || t.isContentEditable);
 }
 
+function setPtt(down) {
+  if (view.ptt === down) return;
+  update({ ptt: down });
+  send({ type: "ptt", down });
+}
+
 window.addEventListener("keydown", (e) => {
   if (e.code !== "Space" || isTyping(e) || $("#settings").open) return;
-  if (!S.settings || S.settings.talk_mode !== "push-to-talk") return;
+  if (view.mode !== "push-to-talk") return;
   e.preventDefault();
-  if (e.repeat || S.pttDown) return;
-  S.pttDown = true;
-  document.body.dataset.ptt = "down";
-  send({ type: "ptt", down: true });
+  if (!e.repeat) setPtt(true);
 });
 
 window.addEventListener("keyup", (e) => {
-  if (e.code !== "Space" || !S.pttDown) return;
+  if (e.code !== "Space" || !view.ptt) return;
   e.preventDefault();
-  S.pttDown = false;
-  document.body.dataset.ptt = "up";
-  send({ type: "ptt", down: false });
+  setPtt(false);
 });
 
-window.addEventListener("blur", () => {
-  if (S.pttDown) { S.pttDown = false; document.body.dataset.ptt = "up"; send({ type: "ptt", down: false }); }
-});
+window.addEventListener("blur", () => setPtt(false));
 
 for (const id of ["#mode-hands-free", "#mode-ptt"]) {
   $(id).addEventListener("click", (e) => saveSettings({ talk_mode: e.currentTarget.dataset.mode }));
@@ -494,7 +618,14 @@ window.addEventListener("drop", (e) => {
   if (f) askFile(f);
 });
 
+// A file asked before the assistant listens (the browser still waits for a click, or the pipeline is
+// starting) is held here and sent once it listens: never refused, never lost.
 async function askFile(file) {
+  if (view.conn !== "ready" || view.phase === "starting" || view.sound === "needs-click") {
+    update({ pendingFile: file });
+    if (view.sound !== "needs-click") notice("info", `“${file.name}” will be asked as soon as the assistant listens.`);
+    return;
+  }
   try {
     const r = await fetch(BASE + "api/file", { method: "POST", body: file, headers: { "X-Filename": file.name.slice(0, 200) } });
     const j = await r.json();
@@ -504,6 +635,13 @@ async function askFile(file) {
     notice("error", `the file could not be sent: ${err.message}`);
   }
 }
+
+function askPendingFile() {
+  const f = view.pendingFile;
+  if (!f || view.sound === "needs-click") return;
+  update({ pendingFile: null });
+  askFile(f);
+}
 window.trAskFile = askFile; // tests hand a File to the same path a drop takes
 
 // ------------------------------------------------------------------ settings
@@ -511,7 +649,7 @@ window.trAskFile = askFile; // tests hand a File to the same path a drop takes
 function applySettings(s) {
   const prev = S.settings;
   S.settings = s;
-  setTalkMode(s.talk_mode);
+  update({ mode: s.talk_mode, ptt: s.talk_mode === "push-to-talk" && view.ptt });
   if (prev && prev.echo_cancellation !== s.echo_cancellation && S.hello && S.hello.audio === "browser" && S.micStream) restartMic();
 }
 
