@@ -16,7 +16,14 @@ Piper samples its prosody, so each run speaks every query anew and only paired, 
 compare; `--same-speech` speaks them without sampling (the same audio in every run). Each turn stops
 once its first audio is out (the rest of the reply is not played); with
 `--reply-s S` it plays the first S seconds of each reply and also reports the playback gaps (where
-synthesis fell behind playback, so the person heard silence inside the reply).
+synthesis fell behind playback, so the person heard silence inside the reply); each turn's `pieces`
+say where (per piece: words, audio queued ahead when its synthesis began, synthesis time, token wait).
+`--busy-cores N` runs N processes spinning a Python loop for the whole run (other work on the cores,
+as in the desktop app); the report's `busy_cores` says whether they ran to the end and what share
+of a core each got:
+
+    python scripts/bench_voice.py --n 30 --reply-s 6 --busy-cores 1 \
+        --compare="--piece-growth 0 --synth-low-water-s 0"     # playback gaps, before/after issue 32
 
 `--recognition` needs no language model: for n fluent and n paused queries it compares the
 offline transcript of the whole WAV (faster-whisper's `transcribe`, 30 s context) with the one
@@ -35,9 +42,11 @@ utterance (p50/p95 over the turns not cut off), the WER and how often the drafte
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -105,6 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculate-after-ms", type=int, default=None)
     ap.add_argument("--tts-spin", action="store_true", help="let Piper's onnxruntime threads busy-wait (its default)")
     ap.add_argument("--first-max-words", type=int, default=None)
+    ap.add_argument(
+        "--piece-growth",
+        type=float,
+        default=TtsOptions().piece_growth,
+        help="a piece after the first has at most this many times the words already cut (0: up to max_words, "
+        "as before; default %(default)s)",
+    )
+    ap.add_argument(
+        "--synth-low-water-s",
+        type=float,
+        default=VoiceOptions().synth_low_water_s,
+        help="pause generation while a later piece is synthesised with less audio than this queued ahead "
+        "(0: only for the first piece, as before; default %(default)s)",
+    )
     ap.add_argument(
         "--no-tts-cache", action="store_true", help="synthesise every piece (no cache of short pieces, no openers)"
     )
@@ -201,7 +224,52 @@ def build_parser() -> argparse.ArgumentParser:
         "Whisper's word probability (seeds --seed.. --seed+k-1 for --n paused queries each)",
     )
     ap.add_argument("--seeds", type=int, default=1, help="with --turn-study: how many seeds of --n paused queries")
+    ap.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        help="run this many competing processes, each spinning a Python loop (a core kept busy, as the desktop "
+        "app's browser or other work does), for the whole run; the report says so (for the whole run, not a "
+        "--compare flag)",
+    )
     return ap
+
+
+BUSY_LOOP = "while True:\n    pass\n"
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """n processes that each keep a core busy (a Python loop); stopped by `stop_busy`, or at exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    atexit.register(stop_busy, procs)
+    for p in procs:
+        p.t0 = time.monotonic()  # type: ignore[attr-defined]
+    return procs
+
+
+def stop_busy(procs: list[subprocess.Popen]) -> list[dict]:
+    """Kill them; for each, whether it was still running and the share of a core it used (Linux)."""
+    out = []
+    for p in procs:
+        running = p.poll() is None
+        cpu_s = None
+        try:  # utime + stime, clock ticks (fields 14 and 15 of /proc/PID/stat)
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+        if running:
+            p.kill()
+            p.wait()
+        wall = time.monotonic() - p.t0  # type: ignore[attr-defined]
+        out.append(
+            {
+                "ran_to_the_end": running,
+                "wall_s": round(wall, 1),
+                "core_share": None if cpu_s is None else round(cpu_s / wall, 2),
+            }
+        )
+    return out
 
 
 def voice_options(args: argparse.Namespace) -> VoiceOptions:
@@ -216,6 +284,8 @@ def voice_options(args: argparse.Namespace) -> VoiceOptions:
     if args.first_max_words is not None:
         vopts.tts.first_max_words = args.first_max_words
     vopts.tts.spin_wait = args.tts_spin
+    vopts.tts.piece_growth = args.piece_growth
+    vopts.synth_low_water_s = args.synth_low_water_s
     if args.no_tts_cache:
         vopts.tts.cache_max_words = 0
     if args.stop_delay_ms is not None:
@@ -266,6 +336,8 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
             "first_chunk_priority": vopts.first_chunk_priority,
             "speculate_after_ms": vopts.speculate_after_ms,
             "first_max_words": vopts.tts.first_max_words,
+            "piece_growth": vopts.tts.piece_growth,
+            "synth_low_water_s": vopts.synth_low_water_s,
             "tts_spin_wait": vopts.tts.spin_wait,
             "tts_cache_max_words": vopts.tts.cache_max_words,
             "stop_delay_ms": vopts.vad.stop_delay_ms,
@@ -509,8 +581,11 @@ def main() -> None:
     compare = args.compare or ("--turn-mode silence" if args.pauses else None)
     if compare:
         args_b = ap.parse_args(sys.argv[1:] + compare.split())
-        if (args_b.policy, args_b.cloud_cpus, args_b.device_cpus) != (args.policy, args.cloud_cpus, args.device_cpus):
-            ap.error("--policy, --cloud-cpus and --device-cpus apply to the whole run: give them outside --compare")
+        whole_run = ("policy", "cloud_cpus", "device_cpus", "busy_cores")
+        if any(getattr(args_b, k) != getattr(args, k) for k in whole_run):
+            ap.error(
+                "--policy, --cloud-cpus, --device-cpus and --busy-cores apply to the whole run: give them outside --compare"
+            )
         configs.append(("b", voice_options(args_b), generation_flags(args_b)))
     data = json.load(open(args.data))
     if args.recognition:
@@ -545,6 +620,7 @@ def main() -> None:
         for tx in recognisers.values():
             tx.recognize(np.zeros(16000, np.float32), final=True)  # warm-up, as Engines does
         speaker = query_voice(args)
+        busy = start_busy(args.busy_cores)  # once the models are loaded: the turns run beside it
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
             if pauses:
@@ -603,9 +679,12 @@ def main() -> None:
                     f"{text!r} -> {obj['transcript']!r}",
                     flush=True,
                 )
+        busy_report = stop_busy(busy)
     result: dict = {
         "command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]),
         "policy": args.policy,
+        # competing processes that each spun a Python loop for the whole run (--busy-cores)
+        "busy_cores": busy_report,
         "cpus": {"device": format_cpus(os.sched_getaffinity(0)), "cloud": args.cloud_cpus or "the device's"},
         "configs": {},
     }

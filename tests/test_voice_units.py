@@ -14,6 +14,7 @@ import pytest
 from edge_client.voice.asr import LocalAgreement
 from edge_client.voice.audio_io import DeviceError, FileSink, FileSource, resolve_device
 from edge_client.voice.dialogue import Dialogue, DialogueOptions
+from edge_client.voice.pipeline import VoiceOptions
 from edge_client.voice.resample import StreamResampler, resample
 from edge_client.voice.timings import playback_gaps
 from edge_client.voice.tts import ClauseChunker, Synthesizer, TtsOptions, speakable
@@ -53,15 +54,58 @@ def test_first_chunk_cut_at_first_clause_then_by_sentence():
     # "Sure," is released as soon as the next token shows the comma ends a clause
     assert emitted[2] == ["Sure,"]
     # the first sentence goes out clause by clause; later chunks are whole sentences, not clauses
-    assert [c.strip() for c in feed_all(ClauseChunker(), toks)] == [
+    # (piece_growth 0: no limit from the words already cut, see the test below)
+    whole = TtsOptions(piece_growth=0)
+    assert [c.strip() for c in feed_all(ClauseChunker(whole), toks)] == [
         "Sure,",
         "the capital is Paris,",
         "a big city.",
         "It has museums.",
     ]
-    later = feed_all(ClauseChunker(), ["Yes.", " It", " is,", " I", " think,", " fine.", " "])
+    later = feed_all(ClauseChunker(whole), ["Yes.", " It", " is,", " I", " think,", " fine.", " "])
     assert [c.strip() for c in later] == ["Yes.", "It is, I think, fine."], later
     assert "".join(feed_all(ClauseChunker(), toks)) == "".join(toks)
+
+
+def test_later_pieces_grow_with_the_words_already_cut():
+    """A piece after the first has at most piece_growth (2) x the words already cut, so its synthesis fits
+    in the audio ahead of it; a cut at that limit ends at the last clause within it if there is one."""
+    assert TtsOptions().piece_growth == 2.0
+    text = (
+        "The current status of your credit card application is currently in the status code "
+        "zero and more words follow here, so we see. Yes. It is, I think, fine."
+    )
+    toks = [" " + w for w in text.split()] + [" "]
+    toks[0] = toks[0].strip()
+    c = ClauseChunker()
+    chunks = []
+    for t in toks:
+        for piece in c.feed(t):
+            assert len(piece.split()) <= c.word_limit() or len(chunks) == 0
+            chunks.append(piece.strip())
+    chunks += [p.strip() for p in c.flush()]
+    assert chunks == [
+        "The current",  # the first: first_max_words
+        "status of your credit",  # 2 x 2 words
+        "card application is currently in the status code zero and more words",  # 2 x 6: 12
+        "follow here,",  # the first sentence still goes clause by clause
+        "so we see.",
+        "Yes.",
+        "It is, I think, fine.",
+    ], chunks
+    assert "".join(feed_all(ClauseChunker(), toks[:-1])) == "".join(toks[:-1])  # nothing lost or repeated
+    # after a one-word first piece the next may have first_max_words (2): cut at its clause end inside them
+    after_yes = feed_all(ClauseChunker(), ["Yes.", " It", " is,", " I", " think,", " fine.", " "])
+    assert [p.strip() for p in after_yes] == ["Yes.", "It is,", "I think, fine."], after_yes
+    # fed at once, a clause longer than the limit is still cut at it
+    assert [p.strip() for p in feed_all(ClauseChunker(), ["One two, three four five six seven eight. "])] == [
+        "One two,",
+        "three four five six",
+        "seven eight.",
+    ]
+    # growth 0: the old rule, whole clauses (up to max_words)
+    old = feed_all(ClauseChunker(TtsOptions(piece_growth=0)), toks)
+    assert [p.strip() for p in old][1].startswith("status of your credit card application is currently")
 
 
 def test_run_on_text_is_cut_by_word_limit():
@@ -479,6 +523,79 @@ def test_a_dropped_speculation_leaves_no_stage_marks_behind():
     assert u.timings.asr_final is None and u.timings.llm_first_token is None
     old.mark("first_clause_ready", 2.2)  # the cancelled turn, on its way out
     assert u.timings.first_clause_ready is None
+
+
+def _turn_with_fakes(synth_low_water_s: float, drained: bool) -> tuple[list[tuple[str, int, int]], list]:
+    """A Turn over a fake generator (a token every 10 ms) and a fake Piper (100 ms a piece, 0.3 s of audio a
+    word); the sink drains everything at once (nothing ahead) or nothing (all of it ahead). Returns, per piece,
+    (text, tokens generated when its synthesis began, tokens when it ended), and the per-piece records."""
+    import time
+    from types import SimpleNamespace
+
+    from edge_client.answer import Answer, TokenEvent
+    from edge_client.voice.audio_io import PlaybackBuffer
+    from edge_client.voice.pipeline import Turn, VoiceOptions
+    from edge_client.voice.timings import TurnTimings
+
+    words = "I'm sorry, but I can not do that for you right now. It is late, and I am tired of it all.".split()
+    made = [0]
+
+    def generate(messages, max_tokens=128, on_token=None, stop=None):
+        for i, w in enumerate(words):
+            if stop is not None and stop.is_set():
+                break
+            time.sleep(0.01)
+            made[0] += 1
+            on_token(TokenEvent(i, i, (" " if i else "") + w, "edge", None))
+        on_token(TokenEvent(len(words), 0, " ", "edge", None))
+        return Answer("edge", " ".join(words))
+
+    seen: list[tuple[str, int, int]] = []
+
+    def chunks(piece):
+        before = made[0]
+        time.sleep(0.1)
+        seen.append((piece.strip(), before, made[0]))
+        yield np.zeros(int(16000 * 0.3 * len(piece.split())), np.float32)
+
+    buffer = PlaybackBuffer()
+
+    def put(audio):
+        buffer.put(audio)
+        if drained:
+            buffer.flush()
+        return len(audio)
+
+    p = SimpleNamespace(
+        opts=VoiceOptions(synth_low_water_s=synth_low_water_s),
+        sink=SimpleNamespace(buffer=buffer, rate=16000, source_rate=16000, put=put),
+        engines=SimpleNamespace(
+            gen=SimpleNamespace(generate=generate),
+            synth=SimpleNamespace(chunks=chunks, is_cached=lambda piece: False),
+        ),
+        dialogue=SimpleNamespace(messages=lambda text: []),
+        is_live=lambda turn: True,
+        emit=lambda ev: None,
+        first_clause_synthesised=lambda turn: None,
+    )
+    turn = Turn(p, "hi", TurnTimings(), held=False)
+    turn.join()
+    assert turn.synth_done.is_set()
+    return seen, turn.timings.pieces
+
+
+def test_generation_yields_to_a_piece_synthesised_with_little_audio_ahead():
+    """VoiceOptions.synth_low_water_s: while a piece is synthesised with less audio than that queued ahead
+    of it, generation pauses (as for the first piece, first_chunk_priority); with enough ahead it runs on."""
+    assert VoiceOptions().synth_low_water_s == 1.0
+    # (the token in flight when a piece is cut still comes: at most one token during its synthesis)
+    dry, pieces = _turn_with_fakes(1.0, drained=True)  # the speaker ran dry: every piece is urgent
+    assert len(dry) >= 3 and all(after - before <= 1 for _, before, after in dry[:-1]), dry
+    assert all(piece[1] == 0.0 for piece in pieces) and pieces[1][3] > 0, pieces
+    off, _ = _turn_with_fakes(0.0, drained=True)  # 0: only the first piece pauses generation
+    assert off[0][2] - off[0][1] <= 1 and max(after - before for _, before, after in off[1:-1]) >= 3, off
+    full, pieces = _turn_with_fakes(1.0, drained=False)  # seconds of audio ahead: generation runs on
+    assert pieces[2][1] >= 1.0 and max(after - before for _, before, after in full[2:-1]) >= 3, (full, pieces)
 
 
 # ---------------------------------------------------------------------------- end of turn (issue 17)

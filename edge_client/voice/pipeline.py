@@ -18,7 +18,8 @@ each partial transcript, template tail included (so the turn decodes only
 what the final transcript changed, and nothing when it equals the last
 partial, about one time in three), and generation pauses while Piper renders
 the first clause (on a small CPU the two compete, and the first audio is what
-the person waits for).
+the person waits for), and later pieces while little audio is queued ahead of
+them (`synth_low_water_s`: a piece late is a gap the person hears).
 
 End of turn (endofturn.py): at each pause the speculative transcript is checked
 for a mid-phrase ending, or a last word like "that" that Whisper was unsure of
@@ -110,6 +111,14 @@ class VoiceOptions:
         True  # prefill each partial's whole prompt, template tail included (not just up to its last word)
     )
     first_chunk_priority: bool = True  # pause generation while the first clause is synthesised
+    # ... and while a later piece is synthesised with less than this many seconds of the reply's audio queued
+    # ahead of it (0: only the first piece): on 2 cores generation, Piper and anything else running share them,
+    # and a piece whose synthesis outlasts the audio ahead is heard as a gap; the next piece's tokens have this
+    # piece's playing time to catch up. Beside a busy core such pieces were synthesised 14 ms sooner (paired
+    # median, 32 pieces), with no more pieces waiting for tokens and first audio unchanged; the gaps, a tie
+    # (`scripts/bench_voice.py --reply-s 6 --busy-cores 1 --compare="--synth-low-water-s 0"`, docs/voice.md).
+    # TtsOptions.piece_growth is what removed most gaps.
+    synth_low_water_s: float = 1.0
     turn: TurnOptions = field(default_factory=TurnOptions)  # end of turn: Smart Turn + transcript, adaptive wait
     # Draft the reply's first piece from partial transcripts while the person speaks. Off by default: it hits
     # 37 % of fluent turns, a tie on first audio (paired median -5 and 0 ms in two runs), and each turn's misses
@@ -291,6 +300,7 @@ class Turn:
     def _speak(self) -> None:
         chunker = ClauseChunker(self.p.opts.tts)
         synth = self.p.engines.synth
+        t_done = time.monotonic()  # when the piece before was synthesised (the turn's start for the first)
         while not self.stop.is_set():
             item = self._tokq.get()
             if item is None:
@@ -301,18 +311,26 @@ class Turn:
             for piece in pieces:
                 if self.stop.is_set():
                     break
-                self.timings.mark("first_clause_ready", time.monotonic())
+                t_cut = time.monotonic()
+                self.timings.mark("first_clause_ready", t_cut)
+                ahead = self.ahead_s()
                 if not self.segments:
                     self.timings.first_piece_cached = synth.is_cached(piece)
                     if self.p.opts.first_chunk_priority and not self.timings.first_piece_cached:
                         self._gen_may_run.clear()  # set again once this first piece is synthesised
+                elif ahead < self.p.opts.synth_low_water_s:
+                    self._gen_may_run.clear()  # the audio ahead is short: this piece first (set again below)
                 seg = [piece, 0]
                 self.segments.append(seg)
+                t0 = time.monotonic()
                 for audio in synth.chunks(piece):
                     if self.stop.is_set():
                         break
                     self.timings.mark("tts_first_audio", time.monotonic())
                     seg[1] += self._audio(audio)
+                wait, t_done = t_cut - t_done, time.monotonic()
+                record = (len(piece.split()), ahead, t_done - t0, seg[1] / self.p.sink.rate, wait)
+                self.timings.pieces.append(record)
                 if self._adopted.is_set():
                     self._gen_may_run.set()
                 else:  # a draft: park generation after the first clause
@@ -324,6 +342,13 @@ class Turn:
             self.p.emit(Notice("error", f"generation failed: {self.error}"))
         self._first_clause_out()  # no (more) audio is coming: nothing to wait for
         self.synth_done.set()
+
+    def ahead_s(self) -> float:
+        """Seconds of this reply's audio queued and not yet played (held audio counts: it all plays at release)."""
+        with self._lock:
+            if not self.released:
+                return sum(len(a) for a in self._held_audio) / self.p.sink.source_rate
+        return max(0, self.p.sink.buffer.pending) / self.p.sink.rate
 
     def _first_clause_out(self) -> None:
         if not self.first_clause_done.is_set():
@@ -367,6 +392,7 @@ class Turn:
                 if t is not None:
                     timings.mark(stage, t)
             timings.first_piece_cached = self.timings.first_piece_cached
+            timings.pieces[:0] = self.timings.pieces
             self.timings = timings
             self.user_text = user_text
         self._adopted.set()

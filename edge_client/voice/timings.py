@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 STAGES = (
@@ -32,6 +32,10 @@ class TurnTimings:
     playback_gap_ms: float = 0.0
     # The first piece played from the synthesiser's cache (no Piper run: tts_first_audio ~ first_clause_ready)
     first_piece_cached: bool | None = None
+    # Per piece of the reply: (words, audio queued ahead of it when its synthesis began (s), synthesis (s),
+    # its audio (s), the wait for its tokens since the piece before it was synthesised (s)), where playback
+    # gaps come from: a piece whose synthesis, or whose tokens, took longer than the audio ahead of it
+    pieces: list[tuple[int, float, float, float, float]] = field(default_factory=list)
 
     def mark(self, stage: str, t: float) -> None:
         """Record a stage once (the first time it happens)."""
@@ -66,6 +70,10 @@ class TurnTimings:
             "playback_gaps": self.playback_gaps,
             "playback_gap_ms": _r(self.playback_gap_ms),
             "first_piece_cached": self.first_piece_cached,
+            "pieces": [
+                {"words": w, "ahead_ms": _ms(a), "synth_ms": _ms(t), "audio_ms": _ms(d), "token_wait_ms": _ms(g)}
+                for w, a, t, d, g in self.pieces
+            ],
         }
 
     def names(self) -> list[str]:
@@ -107,6 +115,10 @@ def playback_gap_line(gaps: int, gap_ms: float) -> str:
     if not gaps:
         return "playback: no gaps"
     return f"playback: {gaps} gap{'s' if gaps > 1 else ''} ({gap_ms:.0f} ms of silence) where synthesis fell behind"
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
 
 
 def _r(x: float | None) -> float | None:

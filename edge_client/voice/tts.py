@@ -7,7 +7,10 @@ boundaries too (the rest of the first clause is ready while the first words
 play; a whole sentence, which the cloud checks first, could leave the speaker
 dry); later pieces are whole sentences, which Piper renders with better
 prosody. A piece that grows past `max_words` without punctuation is cut at a
-space so a run-on answer cannot stall the voice.
+space so a run-on answer cannot stall the voice. Pieces after the first also
+grow gradually: each has at most `piece_growth` times the words already cut
+(2, 4, 12, ... words), cut at its last clause end within that if it has one,
+so each is written and synthesised while the audio before it plays.
 
 Piper's audio for short pieces is cached by phonemes, and the openings most
 replies start with are rendered at start-up, so a first piece is often ready
@@ -41,6 +44,15 @@ class TtsOptions:
     # docs/voice.md); the seam after two words ("I'm sorry | for any confusion,") is the price
     first_max_words: int = 2
     max_words: int = 40
+    # A piece after the first has at most this many times the words already cut (at least first_max_words,
+    # at most max_words; cut at its last clause end within that, else at a space; 0: no such limit). Piper
+    # cannot play a piece's first sample before it has synthesised its first sentence, and the next piece's
+    # tokens and synthesis must fit in the audio ahead of it: after a two-word first piece (~0.6 s of audio) a
+    # 9-14-word clause took 350-580 ms to synthesise beside a busy core, with 150-270 ms of audio left. With 2
+    # (and VoiceOptions.synth_low_water_s) turns with a gap over 200 ms fell from 9 to 1 of 30 (12 to 5 on a
+    # more loaded machine), first audio unchanged (`scripts/bench_voice.py --reply-s 6 --busy-cores 1
+    # --compare="--piece-growth 0 --synth-low-water-s 0"`, docs/voice.md). The price: more seams.
+    piece_growth: float = 2.0
     min_first_chars: int = 2  # do not speak a lone "A," as a chunk
     # onnxruntime's threads busy-wait between operators by default. On 2 cores, with anything else running
     # (Smart Turn, the desktop app's browser), a spinning thread waits on a preempted one: a first clause
@@ -59,6 +71,7 @@ class TtsOptions:
 
 _CLAUSE_END = re.compile(r"[,;:.!?](?=\s)|\n")
 _SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")
+_WORD = re.compile(r"\S+")
 
 
 class ClauseChunker:
@@ -68,37 +81,56 @@ class ClauseChunker:
         self.opts = opts or TtsOptions()
         self.buf = ""
         self.n_emitted = 0
+        self.words_emitted = 0
         self._in_first_sentence = True  # pieces end at clause boundaries until a sentence has ended
+
+    def word_limit(self) -> int:
+        """The most words the next piece may have: see TtsOptions.first_max_words, max_words, piece_growth."""
+        o = self.opts
+        if self.n_emitted == 0:
+            return o.first_max_words
+        if o.piece_growth <= 0:
+            return o.max_words
+        return min(o.max_words, max(o.first_max_words, int(o.piece_growth * self.words_emitted)))
 
     def feed(self, text: str) -> list[str]:
         self.buf += text
         out = []
         while True:
-            first = self.n_emitted == 0
             pat = _CLAUSE_END if self._in_first_sentence else _SENTENCE_END
+            limit = self.word_limit()
             cut = None
             for m in pat.finditer(self.buf):
                 if len(self.buf[: m.end()].strip()) >= self.opts.min_first_chars:
                     cut = m.end()
                     break
-            if cut is None:
-                limit = self.opts.first_max_words if first else self.opts.max_words
-                words = list(re.finditer(r"\S+", self.buf))
+            if cut is None or len(self.buf[:cut].split()) > limit:
+                words = list(_WORD.finditer(self.buf))
                 if len(words) > limit:  # the limit-th word is complete once the next one starts
-                    cut = words[limit - 1].end()
+                    cut = self._last_clause_end(words[limit - 1].end()) or words[limit - 1].end()
             if cut is None:
                 return out
             piece, self.buf = self.buf[:cut], self.buf[cut:]
             if piece.strip():
                 out.append(piece)
                 self.n_emitted += 1
+                self.words_emitted += len(piece.split())
                 if _SENTENCE_END.match(piece.rstrip(" ")[-1:] + " "):  # the piece ends a sentence
                     self._in_first_sentence = False
+
+    def _last_clause_end(self, end: int) -> int | None:
+        """Where the last clause of buf[:end] ends (a piece cut at the word limit ends there if it can)."""
+        last = None
+        for m in _CLAUSE_END.finditer(self.buf, 0, min(len(self.buf), end + 1)):
+            if m.end() <= end and len(self.buf[: m.end()].strip()) >= self.opts.min_first_chars:
+                last = m.end()
+        return last
 
     def flush(self) -> list[str]:
         piece, self.buf = self.buf, ""
         if piece.strip():
             self.n_emitted += 1
+            self.words_emitted += len(piece.split())
             return [piece]
         return []
 
