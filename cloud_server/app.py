@@ -131,7 +131,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     )
     services = Services(quotas=Quotas(), metrics=metrics, audit=audit, abuse_warmup_tokens=config.abuse_warmup_tokens)
     worker = build_worker(config, metrics)
-    metrics.bind(lambda: worker.engine.n_sessions, worker.engine)
+    metrics.bind(
+        lambda: worker.engine.n_sessions, worker.engine.pool if isinstance(worker.engine, CloudEngine) else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

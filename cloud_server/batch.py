@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
-from cloud_server.engine_api import Engine, VerifyResult
+from cloud_server.engine_api import Engine, GenerateResult, VerifyResult
 
 PREFILL, GENERATE = "prefill", "generate"
 TURN = "turn"  # a session's turn at the engine for bounded work of its own (a verify's next chunk): `Request.work`
@@ -61,10 +61,12 @@ class VerifyJob:
 class StepOutcome:
     """What `BatchEngine.step` did with one request: done with a result, failed, or still pending.
 
-    The result of a generate is a GenerateResult, of a prefill its compute seconds."""
+    The result of a generate is a GenerateResult, of a prefill its compute seconds, of a turn (granted)
+    None. `written`: a generate's (token, logprob) within the step, before its compute is known."""
 
     done: bool = False
-    result: Any = None
+    result: GenerateResult | float | None = None
+    written: tuple[int, float] | None = None
     error: BaseException | None = None
     progressed: bool = False
 

@@ -572,7 +572,8 @@ class CloudEngine:
                 self._finish(p, reqs[p.index], outcomes[p.index], out)
         for r, o in zip(reqs, outcomes):
             if o.done and r.kind == GENERATE:
-                o.result = GenerateResult(o.result[0], o.result[1], r.compute_s)
+                assert o.written is not None
+                o.result = GenerateResult(o.written[0], o.written[1], r.compute_s)
             elif o.done and r.kind != TURN:
                 o.result = r.compute_s
         return StepReport(outcomes, n_items, n_tokens, decode_s)
@@ -643,7 +644,7 @@ class CloudEngine:
                 continue
             if gen and (ready := s.take_ready()) is not None:  # kept by a prefill: no decode
                 try:
-                    outcomes[i].result = self._write_ready(s, ready, r.proposed)
+                    outcomes[i].written = self._write_ready(s, ready, r.proposed)
                     outcomes[i].done = True
                 except SamplingError as exc:
                     outcomes[i].error = exc
@@ -697,7 +698,7 @@ class CloudEngine:
             return
         if r.kind == GENERATE:
             try:
-                outcome.result = self._write(s, logits, r.proposed)
+                outcome.written = self._write(s, logits, r.proposed)
                 outcome.done = True
             except SamplingError as exc:
                 outcome.error = exc

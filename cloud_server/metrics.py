@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from cloud_server.engine import EngineStats
+    from cloud_server.kv_pool import KVPool
 
 P = "tokenrouter_"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -52,11 +53,12 @@ class ServerMetrics:
         )
         self.abuse_flags = Counter(P + "abuse_flags", "Sessions flagged by the abuse check", registry=r)
 
-    def bind(self, n_sessions: Callable[[], int], engine: Any = None) -> None:
-        """Read gauges from the engine on each scrape (no bookkeeping on the hot path)."""
+    def bind(self, n_sessions: Callable[[], int], kv: KVPool | None = None) -> None:
+        """Read gauges on each scrape (no bookkeeping on the hot path): the open sessions, and the KV
+        cache's figures where this server holds one (the embedded engine; a remote engine holds its own)."""
         Gauge(P + "sessions", "Open sessions", registry=self.registry).set_function(n_sessions)
-        if engine is not None and hasattr(engine, "stats"):
-            self.registry.register(_EngineCollector(engine))
+        if kv is not None:
+            self.registry.register(_EngineCollector(kv))
 
     # BatchObserver (cloud_server/scheduler.py)
     def on_batch(self, n_items: int, n_tokens: int, decode_s: float) -> None:
@@ -72,13 +74,13 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """KV budget figures straight from the engine's counters."""
+    """KV budget figures straight from the KV pool's counters."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, kv: KVPool) -> None:
+        self.kv = kv
 
     def collect(self) -> Iterator[Any]:
-        e = self.engine
+        e = self.kv
         st: EngineStats = e.stats
         yield GaugeMetricFamily(P + "sessions_resident", "Sessions holding KV cells", value=e.n_resident)
         yield GaugeMetricFamily(P + "kv_cells_used", "KV cells in use", value=e.cells_used)

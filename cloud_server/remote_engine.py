@@ -87,11 +87,12 @@ from cloud_server.engine_api import (
     Owner,
     VerifyResult,
 )
-from shared.completions import CompletionsClient, CompletionsError, Position, VocabModel, common_prefix, first_choice
+from shared.completions import CompletionsClient, CompletionsError, Position, VocabModel, first_choice
 from shared.decision import TIE_NATS, cloud_choice, judge_draft
 from shared.model_info import ModelInfo
 from shared.protocol import NEXT_TOP, SamplingParams, Work
 from shared.sampling import NO_GUESS, Guess, Sampler
+from shared.sequences import common_prefix
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -36,12 +36,10 @@ from typing import Awaitable, Callable
 from cloud_server.engine_api import EngineFull, GenerateResult, NotSupported, TextEngine, Worker
 from shared.text_history import (
     SPAN_TOKENS,
+    SpanWriter,
     TextGuess,
-    complete_utf8,
     on_char_boundary,
     plan_check,
-    span_done,
-    valid_utf8,
 )
 
 
@@ -143,64 +141,40 @@ class TextSession:
         `lookahead`: a span that did not end the answer comes with the cloud's guess for the next
         position (`TextGuess`, from the logits the span rule looked at anyway)."""
         engine, worker, handle = self.engine, self.worker, self.handle
-        written = bytearray()  # this piece's bytes (the seam not yet removed)
+        w = SpanWriter(self.view, self.text, max_tokens, at_word)  # the span rule, shared with the text eval
         tokens: list[int] = []
         logprob = compute = 0.0
-        eog = False
         if first is None:
             first = await worker.generate(handle, self.view.proposal(self.text, proposed_text.encode()))
         result = first
-        n = 0
         while True:
-            n += 1
             tokens.append(result.token)
             logprob += result.logprob
             compute += result.compute_s
-            if engine.is_eog(result.token):
-                eog = True
-                break
-            written += self.view.token_bytes(result.token)
-            if valid_utf8(written) < complete_utf8(written):  # bytes that no later token makes a character
-                break  # the span ends at its last whole character (the rest is dropped below)
-            cut = self.view.stop_cut(self.text, bytes(written))
-            if cut is not None:  # a base model began the person's next line: the answer ends here
-                del written[cut:]
-                eog = True
-                break
-            pending = self.view.stop_pending(self.text, bytes(written))
-            if not at_word:
-                done = span_done(bytes(written), n, max_tokens, None, at_word=False)
-                whole = valid_utf8(written)
-                if not done and whole and not pending and n % SPAN_TOKENS == 0:  # stream whole characters
-                    await self._emit(emit, written[:whole], tokens, logprob, compute, final=False, eog=False)
-                    del written[:whole]
-                    tokens, logprob, compute = [], 0.0, 0.0
-            elif span_done(bytes(written), n, max_tokens, b"a", pending=pending):  # the cap decides: no peek
-                done = True
-            elif complete_utf8(written) != len(written):
-                done = False  # finish the character first
-            else:  # look at the next token: stop before a new word
+            step = w.add(result.token, engine.is_eog(result.token))
+            if step == "more" and not at_word and w.n % SPAN_TOKENS == 0 and not w.pending and w.whole():
+                await self._emit(emit, w.whole(), tokens, logprob, compute, final=False, eog=False)  # stream
+                w.flush(self.text)
+                tokens, logprob, compute = [], 0.0, 0.0
+            elif step == "peek":  # look at the next token: stop before a new word
                 compute += await worker.prefill(handle)
                 nxt = await worker.call(engine.peek, handle)
-                if nxt >= 0 and engine.is_eog(nxt):  # the answer ends here: write the end now
+                step = w.after_peek(self.view.token_bytes(nxt) if nxt >= 0 else None, nxt >= 0 and engine.is_eog(nxt))
+                if step == "end":  # the answer ends here: write the end now
                     admit()
                     result = await worker.generate(handle)
-                    n += 1
                     tokens.append(result.token)
                     logprob += result.logprob
                     compute += result.compute_s
-                    eog = engine.is_eog(result.token)
+                    w.eog = engine.is_eog(result.token)
                     break
-                done = span_done(
-                    bytes(written), n, max_tokens, self.view.token_bytes(nxt) if nxt >= 0 else None, pending=pending
-                )
-            if done:
+            if step in ("end", "stop"):
                 break
             admit()
             result = await worker.generate(handle)
-        whole = written[: valid_utf8(written)]  # bytes of no whole character (unfinished, or none) are dropped
+        eog, whole = w.eog, w.whole()
         guess = None
-        if lookahead and at_word and not eog and len(whole) == len(written):
+        if lookahead and at_word and not eog and len(whole) == len(w.written):
             compute += await worker.prefill(handle)  # (done already where the span rule looked ahead)
             top = await worker.call(engine.peek_guess, handle)
             guess = TextGuess.of(top, self.view, engine.is_eog) if top is not None else None

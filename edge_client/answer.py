@@ -7,8 +7,10 @@ harness (which stores `Answer.to_json()` rows). They hold no model or network st
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from shared.protocol import WORK_FIELDS, Work
 
 Route = Literal["edge", "cloud"]
 
@@ -38,38 +40,21 @@ class Traffic:
     background_ms: float = 0.0  # the part of cloud_compute_ms done while the device was not waiting
     # the cloud model's work, reported with its replies (protocol v2; shared/protocol.py `Work`): units
     # that carry over to a GPU (docs/server.md, "what it costs on a GPU"); 0 from a v1 server
-    passes: int = 0  # forward passes (each reads the weights once, whatever its number of tokens)
-    prefill_tokens: int = 0  # tokens processed in background after hello/sync
-    generate_tokens: int = 0  # tokens processed on the way to hard tokens
-    verify_tokens: int = 0  # tokens processed to judge drafts (the check)
-    guess_tokens: int = 0  # tokens processed for lookahead guesses
-    engine_requests: int = 0  # requests to a remote engine (0 with the embedded one)
+    work: Work = field(default_factory=Work)
 
     def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Traffic)))
+        return Traffic(*(getattr(self, f) + getattr(other, f) for f in _SCALARS), work=self.work + other.work)
 
     def __sub__(self, other: Traffic) -> Traffic:
-        return Traffic(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(Traffic)))
+        return Traffic(*(getattr(self, f) - getattr(other, f) for f in _SCALARS), work=self.work - other.work)
 
     def to_json(self) -> dict[str, float]:
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        """Flat: the traffic's figures, then the work's fields (a replay row's `traffic`)."""
+        d = {f: getattr(self, f) for f in _SCALARS} | {f: getattr(self.work, f) for f in WORK_FIELDS}
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
 
-    @property
-    def cloud_tokens_processed(self) -> int:
-        """All tokens the cloud model processed, every kind."""
-        return self.prefill_tokens + self.generate_tokens + self.verify_tokens + self.guess_tokens
 
-    def work_json(self) -> dict[str, int]:
-        """The cloud's work alone (the `cloud_work` object of `--json`)."""
-        return {
-            "passes": self.passes,
-            "tokens": self.cloud_tokens_processed,
-            "prefill_tokens": self.prefill_tokens,
-            "generate_tokens": self.generate_tokens,
-            "verify_tokens": self.verify_tokens,
-            "guess_tokens": self.guess_tokens,
-            "engine_requests": self.engine_requests,
-        }
+_SCALARS = tuple(f.name for f in fields(Traffic) if f.name != "work")
 
 
 @dataclass(slots=True)
@@ -179,7 +164,7 @@ class Answer:
             "cloud_mode": self.cloud_mode,
             "cloud_mode_asked": self.cloud_mode_asked,
             "shared_history": self.shared_history,
-            "cloud_work": self.traffic.work_json(),
+            "cloud_work": self.traffic.work.to_json(),
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,
             "drift": self.drift,

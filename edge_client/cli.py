@@ -59,11 +59,11 @@ def render_human(answer: Answer, color: bool) -> str:
             summary += f" (the server can: {', '.join(answer.cloud_capabilities)})"
         if answer.cloud_mode != answer.cloud_mode_asked:
             summary += f"; asked for {answer.cloud_mode_asked}, which this server cannot do"
-        t = answer.traffic
+        w = answer.traffic.work
         summary += (
-            f"\ncloud work: {t.passes} forward passes, {t.cloud_tokens_processed} tokens processed"
-            f" (prefill {t.prefill_tokens}, generate {t.generate_tokens}, verify {t.verify_tokens},"
-            f" guess {t.guess_tokens}), {t.engine_requests} engine requests"
+            f"\ncloud work: {w.passes} forward passes, {w.tokens} tokens processed"
+            f" (prefill {w.prefill_tokens}, generate {w.generate_tokens}, verify {w.verify_tokens},"
+            f" guess {w.guess_tokens}), {w.engine_requests} engine requests"
         )
     if answer.degraded:
         summary += f"\n(degraded: the cloud was unavailable ({answer.degraded_reason}), the device answered alone)"

@@ -30,12 +30,10 @@ from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
 from edge_client.answer import Traffic
-from edge_client.decoder import common_prefix
 from shared.model_info import ModelInfo
 from shared.protocol import (
     ALL_CAPABILITIES,
     PROTOCOL_VERSION,
-    WORK_FIELDS,
     Accept,
     Close,
     Error,
@@ -64,6 +62,7 @@ from shared.protocol import (
     token_hash,
 )
 from shared.sampling import Guess
+from shared.sequences import common_prefix
 from shared.text_history import TextGuess
 
 ReplyT = TypeVar("ReplyT", Tokens, Verdict, TextReply, TextVerdict)  # a reply that answers a request
@@ -178,12 +177,12 @@ class CloudLink:
         messages: list[dict],
         prompt: list[int],
         sampling: SamplingParams,
-        text_mode: str = "never",
+        text_mode: str,
     ) -> Accept:
         """hello -> accept; then make sure the cloud holds exactly `prompt`. `text_mode` (protocol
-        v3): whether the device offers to share the answer as text ("auto": where the tokenizers
-        differ; "always"). In a text session each side renders `messages` itself: the cloud
-        holds no answer text yet."""
+        v3, GeneratorOptions.text_mode): whether the device offers to share the answer as text
+        ("auto": where the tokenizers differ; "always"; "never": a v2 device, tokens only). In a
+        text session each side renders `messages` itself: the cloud holds no answer text yet."""
         try:
             # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
             self._ws = connect(
@@ -567,6 +566,5 @@ class CloudLink:
             self.close_quietly()
             raise CloudUnavailable(f"cloud sent a bad frame: {exc}") from exc
         if isinstance(msg, Work):  # a reply's report of the cloud's work, stale replies' too: it was done
-            for name in WORK_FIELDS:
-                setattr(self.stats, name, getattr(self.stats, name) + getattr(msg, name))
+            self.stats.work.add(msg)
         return msg

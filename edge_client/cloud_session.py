@@ -37,7 +37,8 @@ from edge_client.cloud_link import (
 from shared.model_info import ModelInfo
 from shared.protocol import SamplingParams, TextVerdict, Verdict
 from shared.sampling import Guess
-from shared.text_history import SPAN_TOKENS, AnswerText, common_prefix, complete_utf8
+from shared.sequences import common_prefix
+from shared.text_history import SPAN_TOKENS, AnswerText, complete_utf8
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,14 @@ class CloudSession:
         connect: Callable[[], CloudLink] | None,
         edge: ModelInfo,
         sampling: SamplingParams,
+        *,
+        text_mode: str,
         max_consecutive_timeouts: int = 3,
-        text_mode: str = "never",
         answer_text: AnswerText | None = None,
     ) -> None:
         """`text_mode` (protocol v3): "never", "auto" (text where the tokenizers differ) or
-        "always"; `answer_text`: the device model's view of the answer text (needed unless never)."""
+        "always", as the options say (GeneratorOptions.text_mode: the one default); `answer_text`:
+        the device model's view of the answer text (needed unless never)."""
         self._connect = connect
         self.text_mode = text_mode
         self.answer_text = answer_text

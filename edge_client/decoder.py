@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
+from shared.sequences import common_prefix
 
 
 class EdgeDecoder:
@@ -81,11 +82,3 @@ class EdgeDecoder:
 
     def close(self) -> None:
         self.ctx.close()
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.cpus import parse_cpus
-from shared.decision import RuleOptions
+from shared.decision import CHECK_MAX_DRAFT, SYNC_EVERY, RuleOptions
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import TEXT_MODES, SamplingParams
@@ -46,7 +46,7 @@ class GeneratorOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    sync_every: int = 4  # send device tokens eagerly after this many (0 = only with hard tokens)
+    sync_every: int = SYNC_EVERY  # send device tokens eagerly after this many (0 = only with hard tokens)
     cloud_timeout_s: float = 2.0
     # After each hard token the cloud sends its guess for the next position; there the device
     # takes it (no round trip, no router) where its own token is over lookahead_nats worse to
@@ -61,7 +61,7 @@ class GeneratorOptions:
     # once and the check covers the rest while it is spoken (docs/voice.md: no first-audio cost).
     check: str = DEFAULT_CHECK
     check_nats: float = 1.0
-    check_max_draft: int = 12  # longest draft before a verify when no clause ends
+    check_max_draft: int = CHECK_MAX_DRAFT  # longest draft before a verify when no clause ends
     strategy: str = "per-token"  # STRATEGIES: how the per-token phase asks the cloud
     # Text mode (protocol v3, docs/protocol.md): share the answer as text with a cloud whose model
     # tokenizes differently ("auto"), always ("always": the text path's lossless test), or never

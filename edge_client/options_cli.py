@@ -9,54 +9,61 @@ from __future__ import annotations
 
 import argparse
 
-from edge_client.options import DEFAULT_CHECK, GeneratorOptions
-from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
+from edge_client.options import GeneratorOptions
 from shared.decision import CHECK_MODES
-from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import TEXT_MODES
+
+D = GeneratorOptions()  # every flag's default is the option's: written once, in edge_client/options.py
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that generates (ask, and the voice commands)."""
     p.add_argument(
-        "--cloud", default="local", help="ws:// URL of a cloud server, 'local' (start one on loopback) or 'none'"
+        "--cloud", default=D.cloud, help="ws:// URL of a cloud server, 'local' (start one on loopback) or 'none'"
     )
-    p.add_argument("--api-key", default="", help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
-    p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL, help="registered name or .gguf path")
-    p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL, help="model of the local cloud server")
-    p.add_argument("--policy", choices=["edge", "cloud", "router"], default="router")
+    p.add_argument("--api-key", default=D.api_key, help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
+    p.add_argument("--edge-model", default=D.edge_model, help="registered name or .gguf path")
+    p.add_argument("--cloud-model", default=D.cloud_model, help="model of the local cloud server")
+    p.add_argument("--policy", choices=["edge", "cloud", "router"], default=D.policy)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--threshold", type=float, default=None, help="route when the router score >= T")
+    g.add_argument(
+        "--threshold", type=float, default=None, help="route when the router score >= T (instead of a cloud fraction)"
+    )
     g.add_argument(
         "--cloud-fraction",
         type=float,
         default=None,
-        help="target fraction of cloud tokens, calibrated online (default 0.3)",
+        help=f"target fraction of cloud tokens, calibrated online (default {D.cloud_fraction})",
     )
     p.add_argument(
         "--router",
-        default="auto",
+        default=D.router,
         help="auto (the shipped learned router for the model pair, else entropy), entropy, top1, margin, or a router file",
     )
     p.add_argument(
         "--router-on-mismatch",
         choices=["error", "heuristic"],
-        default="error",
+        default=D.router_on_mismatch,
         help="a router file trained for another device model: refuse, or warn and use entropy",
     )
-    p.add_argument("--warmup", type=int, default=0, help="first N tokens of each answer stay on the device")
-    p.add_argument("--hysteresis", type=float, default=0.0, help="keep routing until the score drops below T - H")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=D.warmup, help="first N tokens of each answer stay on the device")
     p.add_argument(
-        "--sync-every", type=int, default=4, help="send device tokens to the cloud after N (0 = only with hard tokens)"
+        "--hysteresis", type=float, default=D.hysteresis, help="keep routing until the score drops below T - H"
+    )
+    p.add_argument("--max-tokens", type=int, default=D.max_tokens)
+    p.add_argument("--temperature", type=float, default=D.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=D.top_p)
+    p.add_argument("--seed", type=int, default=D.seed)
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=D.sync_every,
+        help="send device tokens to the cloud after N (0 = only with hard tokens)",
     )
     p.add_argument(
         "--cloud-timeout",
         type=float,
-        default=2.0,
+        default=D.cloud_timeout_s,
         help="seconds to wait for a hard token before finishing on the device",
     )
     p.add_argument(
@@ -65,14 +72,14 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lookahead-nats",
         type=float,
-        default=1.0,
+        default=D.lookahead_nats,
         help="take the cloud's guess where it finds the device's token this many nats less likely (0: wherever they differ)",
     )
     p.add_argument(
         "--check",
         nargs="?",
         const="all",
-        default=DEFAULT_CHECK,
+        default=D.check,
         choices=CHECK_MODES,
         help="the cloud's check: draft to each clause end, the cloud checks the clause in one round trip and "
         "overrules a device token over --check-nats worse than its own choice (better answers, a round trip per clause). "
@@ -82,17 +89,22 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--check-nats",
         type=float,
-        default=1.0,
+        default=D.check_nats,
         help="with --check: how much less likely than the cloud's choice a device token may be",
     )
     p.add_argument(
         "--text-mode",
         choices=TEXT_MODES,
-        default="auto",
+        default=D.text_mode,
         help="share the answer as text with the cloud (protocol v3): auto (where the models' tokenizers differ), "
         "always, never (a tokenizer mismatch is refused)",
     )
-    p.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the system prompt (default: the generator's for `ask`; the voice dialogue's, written for speech, "
+        "for `listen`, `file` and `app`)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
@@ -102,10 +114,10 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         cloud=args.cloud,
         api_key=args.api_key,
         policy=args.policy,
-        threshold=0.5 if args.threshold is None else args.threshold,
+        threshold=D.threshold if args.threshold is None else args.threshold,  # a threshold replaces the target
         cloud_fraction=None
         if args.threshold is not None
-        else (0.3 if args.cloud_fraction is None else args.cloud_fraction),
+        else (D.cloud_fraction if args.cloud_fraction is None else args.cloud_fraction),
         warmup=args.warmup,
         hysteresis=args.hysteresis,
         router=args.router,
@@ -121,5 +133,5 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         check=args.check,
         check_nats=args.check_nats,
         text_mode=args.text_mode,
-        system_prompt=args.system_prompt,
+        system_prompt=D.system_prompt if args.system_prompt is None else args.system_prompt,
     )

@@ -39,12 +39,12 @@ from edge_client.cloud_session import CloudSession
 from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.writer import AnswerWriter
-from shared.decision import AnswerRule, ClauseEnds, OverruledShare, Step
+from shared.decision import AnswerRule, ClauseEnds, OverruledShare, Step, draft_ends
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
 from shared.sampling import Sampler
-from shared.text_history import AnswerText, TextGuess, complete_utf8
+from shared.text_history import AnswerText, TextGuess, complete_utf8, device_pieces
 
 
 @dataclass(slots=True)
@@ -123,16 +123,7 @@ class Turn:
         Text past the answer's room (`max_tokens`) is left out, as the device alone would stop."""
         dec, view, start = self.decoder, self.text, self.prompt_len
         assert view is not None
-        # (text on the wire is whole characters; "ignore" only matters for the device's own kept text
-        # of a check, which may start inside a character its previous token left unfinished)
-        pieces = self.model.tokenize(got.text.decode("utf-8", "ignore"), parse_special=False) if got.text else []
-        if got.eog:
-            pieces.append(self.model.eog_token)
-        text = got.text
-        if len(pieces) > self.room():
-            pieces = pieces[: self.room()]
-            text = b"".join(self.model.token_bytes(t) for t in pieces)
-            text = text[: complete_utf8(text)]  # the answer ends here: its history only needs whole characters
+        pieces, text = device_pieces(self.model, got.text, got.eog, self.room())
         answer = dec.history[start:]
         keep, add = view.reconcile(answer, view.text_of(answer) + text)
         dec.truncate(start + keep)
@@ -218,7 +209,7 @@ def draft_clause(turn: Turn) -> ClauseDraft | None:
         if turn.stopped():
             dec.truncate(start)
             return None
-        if past_clause_end or turn.model.is_eog(proposed) or len(draft.scores) >= room:
+        if turn.model.is_eog(proposed) or draft_ends(len(draft.scores), past_clause_end, room):
             return draft
         past_clause_end = turn.clause_ends(proposed)
 

@@ -129,7 +129,7 @@ def bench_round_trip(edge: LlamaModel, n_hard: int) -> dict:
     hidden = np.zeros(edge.n_embd, dtype=np.float32)
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL) as server:
         link = CloudLink(server.url, server.api_key, timeout_s=10)
-        link.open(edge.info, PROMPT, prompt, SamplingParams())
+        link.open(edge.info, PROMPT, prompt, SamplingParams(), "never")
         link.generate([], hidden=hidden)  # warm-up (first decode allocates buffers)
         rtt, compute = [], []
         for _ in range(n_hard):

@@ -433,12 +433,3 @@ def _n_generated(reply: dict[str, Any], choice: dict[str, Any], names: list[Any]
     if isinstance(n, int) and 0 <= n <= len(names):
         return n
     return 1 if choice.get("finish_reason") != "stop" else 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the prefix two token lists share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

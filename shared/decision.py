@@ -45,11 +45,21 @@ TIE_NATS = KERNEL_NOISE_NATS
 decoding: the largest change of a top-2 margin between llama.cpp's batched and one-token
 kernels (0.6; shared/kernel_noise.py has the measurement). Any smaller and the same model on
 both sides would change an answer on some CPU; it stays below the check's default tolerance
-(1 nat). What a tie costs in quality: docs/router.md ("ties")."""
+(1 nat). What a tie costs in quality: docs/router.md ("Ties"); the measurement: docs/journal/router.md."""
 
 CHECK_MODES = ("off", "all", "after-first-clause")
 CLAUSE_END = (".", ",", ";", ":", "!", "?", "\n")
 OVERRULED_DECAY = 0.995  # per released token, for the running overruled share (half-life ~140 tokens)
+# Defaults the device (GeneratorOptions) and the eval's model of the cloud's work (models/train/evaluate.py
+# CloudWork) share, so the eval counts the passes the device causes:
+CHECK_MAX_DRAFT = 12  # the check's longest draft when no clause ends
+SYNC_EVERY = 4  # device tokens sent to the cloud eagerly after this many (0: only with hard tokens)
+
+
+def draft_ends(n_drafted: int, past_clause_end: bool, max_draft: int) -> bool:
+    """The check's draft is complete: one token past a clause end (so a TTS chunker cutting at
+    "punctuation then a space" can cut the clause at once), or `max_draft` tokens long."""
+    return past_clause_end or n_drafted >= max_draft
 
 
 class Step(Enum):

@@ -132,6 +132,16 @@ class Work:
         for f in WORK_FIELDS:
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
+    def __add__(self, other: Work) -> Work:
+        return Work(**{f: getattr(self, f) + getattr(other, f) for f in WORK_FIELDS})
+
+    def __sub__(self, other: Work) -> Work:
+        return Work(**{f: getattr(self, f) - getattr(other, f) for f in WORK_FIELDS})
+
+    def to_json(self) -> dict[str, int]:
+        """The work fields and their total (the `cloud_work` object of `ask --json`)."""
+        return {"passes": self.passes, "tokens": self.tokens, **{f: getattr(self, f) for f in WORK_FIELDS[1:]}}
+
 
 # --------------------------------------------------------------------------- messages
 
@@ -148,7 +158,9 @@ class Hello:
     messages: list[dict]  # chat messages ({"role", "content"}) the answer continues
     sampling: dict = field(default_factory=dict)  # SamplingParams as a dict
     client: str = ""
-    text_mode: str = "never"  # v3: TEXT_MODES, whether the device can share the answer as text
+    # v3: TEXT_MODES, whether the device can share the answer as text. Absent (a v2 device): never; a device
+    # asks what its options say (GeneratorOptions.text_mode, the one default: "auto")
+    text_mode: str = "never"
 
 
 @dataclass(slots=True)

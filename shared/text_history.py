@@ -93,6 +93,7 @@ from typing import Callable, Sequence
 
 from shared.llama_backend import LlamaModel
 from shared.sampling import Guess
+from shared.sequences import common_prefix
 
 SPAN_TOKENS = 4  # the most cloud tokens one hard position writes, unless a character is unfinished
 UTF8_EXTRA = 4  # more tokens allowed to finish a multi-byte character after the cap
@@ -169,12 +170,85 @@ def span_done(
     return at_word and (next_piece is None or starts_word(next_piece))
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+class SpanWriter:
+    """The cloud's span rule (`span_done`, the stop text, whole characters), token by token, in one
+    place: the server's `TextSession.span` (awaiting its engine) and the text eval (calling a model)
+    each feed it the tokens their model writes and do what it answers:
+
+        "end"   the answer ended (an end-of-generation token, or the stop text: `written` is cut)
+        "stop"  the span ends here
+        "more"  write another token
+        "peek"  look at the most likely next token first, then ask `after_peek`
+
+    `at_word` False (a stream): only the cap and whole characters count, never a peek."""
+
+    def __init__(self, view: AnswerText, text: bytes, max_tokens: int, at_word: bool = True) -> None:
+        self.view, self.text, self.max_tokens, self.at_word = view, text, max_tokens, at_word
+        self.written = bytearray()  # the span's bytes since the last `flush` (the seam not yet removed)
+        self.n = 0  # tokens written
+        self.eog = False
+        self.pending = False  # the answer ends with the start of the stop text
+
+    def add(self, token: int, is_eog: bool) -> str:
+        """Take the token the model wrote."""
+        self.n += 1
+        if is_eog:
+            self.eog = True
+            return "end"
+        self.written += self.view.token_bytes(token)
+        if valid_utf8(self.written) < complete_utf8(self.written):  # bytes no later token makes a character
+            return "stop"  # the span ends at its last whole character (`whole` drops the rest)
+        cut = self.view.stop_cut(self.text, bytes(self.written))
+        if cut is not None:  # a base model began the person's next line: the answer ends here
+            del self.written[cut:]
+            self.eog = True
+            return "end"
+        self.pending = self.view.stop_pending(self.text, bytes(self.written))
+        if not self.at_word:
+            return "stop" if span_done(bytes(self.written), self.n, self.max_tokens, None, at_word=False) else "more"
+        if span_done(bytes(self.written), self.n, self.max_tokens, b"a", pending=self.pending):
+            return "stop"  # the cap decides: no peek
+        if complete_utf8(self.written) != len(self.written):
+            return "more"  # finish the character first
+        return "peek"
+
+    def after_peek(self, next_piece: bytes | None, next_is_eog: bool) -> str:
+        """The most likely next token's text (None: not known) and whether it ends the answer: "end"
+        (it does: write it, then the answer ends), "stop" (it starts a new word) or "more"."""
+        if next_is_eog:
+            return "end"
+        return (
+            "stop"
+            if span_done(bytes(self.written), self.n, self.max_tokens, next_piece, pending=self.pending)
+            else "more"
+        )
+
+    def whole(self) -> bytes:
+        """The written bytes up to the last whole character (bytes of no whole character are dropped)."""
+        return bytes(self.written[: valid_utf8(self.written)])
+
+    def flush(self, text: bytes) -> bytes:
+        """A stream hands out its whole characters so far; `text` is the answer with them joined."""
+        out = self.whole()
+        del self.written[: len(out)]
+        self.text = text
+        return out
+
+
+def device_pieces(model: LlamaModel, text: bytes, eog: bool, room: int) -> tuple[list[int], bytes]:
+    """The cloud's text as the device's own tokens (its end of turn after, when `eog`), cut to the
+    answer's `room` in device tokens: whole characters only, as the device alone would stop there.
+    Returns (the tokens, the text they keep). The device (`Turn.take_text`) and the text eval both cut here."""
+    # (text on the wire is whole characters; "ignore" only matters for the device's own kept text of a
+    # check, which may start inside a character its previous token left unfinished)
+    pieces = model.tokenize(text.decode("utf-8", "ignore"), parse_special=False) if text else []
+    if eog:
+        pieces.append(model.eog_token)
+    if len(pieces) > room:
+        pieces = pieces[:room]
+        text = b"".join(model.token_bytes(t) for t in pieces)
+        text = text[: complete_utf8(text)]  # the answer ends here: its history only needs whole characters
+    return pieces, text
 
 
 class AnswerText:

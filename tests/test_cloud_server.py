@@ -62,7 +62,7 @@ def test_right_key_is_accepted_and_prompt_matches(cloud_server, edge_info):
     finally:
         edge.close()
     link = CloudLink(cloud_server.url, cloud_server.api_key)
-    accept = link.open(edge_info, chat("hi"), prompt, SamplingParams())
+    accept = link.open(edge_info, chat("hi"), prompt, SamplingParams(), "never")
     assert accept.n_prompt == len(prompt) and link.cloud_len == len(prompt)
     link.close()
 
@@ -81,7 +81,7 @@ def test_vocabulary_mismatch_with_a_real_other_model(cloud_server):
     gemma = model_info("gemma3-270m")
     link = CloudLink(cloud_server.url, cloud_server.api_key)
     with pytest.raises(CloudRejected) as err:
-        link.open(gemma, chat("hi"), [1, 2, 3], SamplingParams())
+        link.open(gemma, chat("hi"), [1, 2, 3], SamplingParams(), "never")
     assert err.value.code == ErrorCode.VOCAB_MISMATCH
 
 

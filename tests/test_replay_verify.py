@@ -125,7 +125,7 @@ def test_verify_over_the_wire(cloud_server, edge_info, cloud_info):
         msgs = chat("set a timer for ten minutes")
         prompt = edge.chat_tokens(msgs)
         link = CloudLink(cloud_server.url, cloud_server.api_key, timeout_s=10.0)
-        link.open(edge_info, msgs, prompt, SamplingParams())
+        link.open(edge_info, msgs, prompt, SamplingParams(), "never")
         ref = [t.token for t in link.generate([], max_tokens=6)]
         link.rollback(len(prompt))
         v = link.verify(ref[:3] + [0], [0, 3], bonus=False)

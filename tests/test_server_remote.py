@@ -451,7 +451,7 @@ def test_check_all_through_the_remote_engine(remote_cloud, edge):
     finally:
         gen.close()
     assert not a.degraded and a.cloud_mode == "check" and a.n_cloud_tokens > 0
-    assert a.traffic.verify_tokens > 0 and a.traffic.round_trips >= 2 and a.traffic.generate_tokens == 0
+    assert a.traffic.work.verify_tokens > 0 and a.traffic.round_trips >= 2 and a.traffic.work.generate_tokens == 0
 
 
 def test_a_voice_file_turn_with_every_default_through_the_remote_engine(remote_cloud, tmp_path, monkeypatch):
@@ -598,7 +598,7 @@ def test_an_engine_without_logprobs_gets_a_negotiated_fallback(openai_server, ed
         proxy.close()
     assert not a.degraded and a.cloud_capabilities == ["generate"] and a.n_cloud_tokens > 0
     assert a.cloud_mode == "per-token" and a.cloud_mode_asked == "per-token+guess+check"
-    assert not a.lookahead_positions and not a.overruled_positions and a.traffic.verify_tokens == 0
+    assert not a.lookahead_positions and not a.overruled_positions and a.traffic.work.verify_tokens == 0
     assert proxy.requests >= a.n_cloud_tokens
 
 

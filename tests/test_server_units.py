@@ -183,7 +183,9 @@ def test_a_tls_cloud_that_goes_silent_after_the_handshake_cannot_hang_the_device
 
     def open_link() -> None:
         try:
-            link.open(cast(ModelInfo, None), [], [], SamplingParams())  # fails at the connection, before the hello
+            link.open(
+                cast(ModelInfo, None), [], [], SamplingParams(), "never"
+            )  # fails at the connection, before the hello
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             outcome.append(exc)
 

@@ -254,7 +254,7 @@ def test_mixed_pair_negotiates_text_mode_and_refuses_it_when_not_offered(gemma_s
         assert isinstance(reply, Reject) and reply.code == ErrorCode.VOCAB_MISMATCH and "text mode" in reply.reason
     link = CloudLink(gemma_server.url, gemma_server.api_key)
     with pytest.raises(CloudRejected):
-        link.open(edge_info, chat("hi"), [1, 2, 3], SamplingParams())  # a v2-style device: tokens only
+        link.open(edge_info, chat("hi"), [1, 2, 3], SamplingParams(), "never")  # a v2-style device: tokens only
     with connect(gemma_server.url) as ws:
         ws.send(_hello(gemma_server, edge_info, "auto"))
         acc = decode(ws.recv(timeout=30))

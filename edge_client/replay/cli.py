@@ -25,16 +25,19 @@ from urllib.parse import urlparse
 from edge_client.answer import Answer
 from edge_client.cloud_link import CloudLink
 from edge_client.local_cloud import loopback_server
+from edge_client.options import GeneratorOptions
 from edge_client.replay.audio import AudioReplayer, GeneratorAdapter, voice_unavailable
 from edge_client.replay.metrics import CloudScorer, rouge_l
 from edge_client.replay.netem import PROFILES, NetemProxy, get_profile
 from edge_client.replay.policies import DEFAULT_POLICIES, Runner, parse_policies, replay_defaults
 from edge_client.replay.report import json_summary, machine_info, markdown, write_report
 from edge_client.replay.sessions import Session, SessionError, load_sessions
-from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
+from models.registry import model_info
 from shared.cpus import parse_cpus, pin_to_cpus
 from shared.llama_backend import LlamaModel
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
+
+D = GeneratorOptions()  # the replay's flags that are the generator's options default as they do (written once)
 
 log = logging.getLogger(__name__)
 WARMUP_MESSAGES = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": "hello"}]
@@ -74,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-only", action="store_true", help="rewrite the report from --out's results without replaying"
     )
     g = p.add_argument_group("models and routing")
-    g.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
-    g.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
+    g.add_argument("--edge-model", default=D.edge_model)
+    g.add_argument("--cloud-model", default=D.cloud_model)
     g.add_argument(
         "--router",
         default="top1",
@@ -91,20 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--cloud-fraction", type=float, default=None, help="calibrate the router threshold to this token fraction"
     )
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
-    g.add_argument("--span", type=int, default=4, help="router-span: tokens per cloud call")
-    g.add_argument("--draft-max", type=int, default=12, help="router-verify/router-check/speculative: longest draft")
+    g.add_argument("--span", type=int, default=D.span, help="router-span: tokens per cloud call")
+    g.add_argument(
+        "--draft-max", type=int, default=D.check_max_draft, help="router-verify/router-check/speculative: longest draft"
+    )
     g.add_argument(
         "--check-nats",
         type=float,
-        default=1.0,
+        default=D.check_nats,
         metavar="NATS",
         help="router-check: the cloud checks every drafted token and overrules one it finds more than NATS "
         "less likely than its own choice (docs/router.md)",
     )
-    g.add_argument("--sync-every", type=int, default=4, help="eager sync after this many final device tokens")
+    g.add_argument(
+        "--sync-every", type=int, default=D.sync_every, help="eager sync after this many final device tokens"
+    )
     g.add_argument("--max-tokens", type=int, default=48)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--threads", type=int, default=1, help="llama.cpp threads on each side (device, cloud)")
+    g.add_argument("--temperature", type=float, default=D.temperature)
+    g.add_argument("--threads", type=int, default=D.threads, help="llama.cpp threads on each side (device, cloud)")
     g.add_argument(
         "--device-cpus",
         metavar="LIST",

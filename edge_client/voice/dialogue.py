@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+# The voice commands' prompt (listen, file, app, and the voice benchmarks): written for speech. `ask` keeps
+# shared/prompting.py's, which the routers were labelled with.
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful voice assistant. Answer in one to three short spoken sentences, "
     "without lists, markdown or emoji."

@@ -13,13 +13,28 @@ from .pipeline import VoiceOptions
 from .tts import TtsOptions
 from .vad import VadOptions
 
+# every flag's default is the option's, written once in its dataclass
+V, T, TTS, VAD, DLG = VoiceOptions(), TurnOptions(), TtsOptions(), VadOptions(), DialogueOptions()
+
 
 def add_voice_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("voice")
-    g.add_argument("--stop-delay-ms", type=int, default=250, help="silence that ends a turn (default 250)")
-    g.add_argument("--min-speech-ms", type=int, default=200, help="speech needed to open a turn (default 200)")
-    g.add_argument("--vad-threshold", type=float, default=0.5, help="Silero speech probability threshold")
-    g.add_argument("--barge-in-ms", type=int, default=300, help="speech needed to interrupt the reply (default 300)")
+    g.add_argument(
+        "--stop-delay-ms", type=int, default=VAD.stop_delay_ms, help="silence that ends a turn (default %(default)s)"
+    )
+    g.add_argument(
+        "--min-speech-ms",
+        type=int,
+        default=VAD.min_speech_ms,
+        help="speech needed to open a turn (default %(default)s)",
+    )
+    g.add_argument("--vad-threshold", type=float, default=VAD.threshold, help="Silero speech probability threshold")
+    g.add_argument(
+        "--barge-in-ms",
+        type=int,
+        default=V.barge_in_min_ms,
+        help="speech needed to interrupt the reply (default %(default)s)",
+    )
     g.add_argument(
         "--no-speculative", action="store_true", help="wait for the endpoint before recognising and answering"
     )
@@ -31,27 +46,35 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--turn-mode",
         choices=("smart", "silence"),
-        default="smart",
+        default=T.mode,
         help="end of turn: 'smart' (Smart Turn model + transcript, adaptive wait; default) or 'silence' (--stop-delay-ms)",
     )
     g.add_argument(
-        "--min-wait-ms", type=int, default=200, help="silence that ends a turn that sounds finished (default 200)"
+        "--min-wait-ms",
+        type=int,
+        default=T.min_wait_ms,
+        help="silence that ends a turn that sounds finished (default %(default)s)",
     )
     g.add_argument(
-        "--max-wait-ms", type=int, default=1200, help="silence that ends a turn that sounds unfinished (default 1200)"
+        "--max-wait-ms",
+        type=int,
+        default=T.max_wait_ms,
+        help="silence that ends a turn that sounds unfinished (default %(default)s)",
     )
-    g.add_argument("--turn-threshold", type=float, default=0.5, help="Smart Turn probability that counts as finished")
+    g.add_argument(
+        "--turn-threshold", type=float, default=T.threshold, help="Smart Turn probability that counts as finished"
+    )
     g.add_argument(
         "--sure-end-prob",
         type=float,
-        default=TurnOptions().sure_end_prob,
+        default=T.sure_end_prob,
         help="a transcript ending on '?' with Whisper at least this sure of its last word ends the turn after "
         "--min-wait-ms without asking Smart Turn (1: always ask; default 0.95)",
     )
     g.add_argument(
         "--unsure-word-prob",
         type=float,
-        default=TurnOptions().unsure_word_prob,
+        default=T.unsure_word_prob,
         help="a last word like 'that' or 'too' (a function word misheard at a hesitation) under this Whisper "
         "probability counts as mid-phrase (0: never; default 0.9)",
     )
@@ -64,20 +87,20 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--text-unfinished-below",
         type=float,
-        default=TurnOptions().text_unfinished_below,
+        default=T.text_unfinished_below,
         help="a transcript whose P(end) is under this reads as unfinished: the longest wait (default %(default)s)",
     )
     g.add_argument(
         "--text-finished-from",
         type=float,
-        default=TurnOptions().text_finished_from,
+        default=T.text_finished_from,
         help="a transcript whose P(end) is at least this reads as a whole request; under it the wait grows "
         "(default %(default)s)",
     )
     g.add_argument(
         "--turn-model-missing",
         choices=("error", "silence"),
-        default="error",
+        default=T.on_missing,
         help="when the Smart Turn file is missing: stop with what to install (default), or fall back to silence, visibly",
     )
     g.add_argument(
@@ -88,12 +111,26 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--first-words",
         type=_words,
-        default=TtsOptions().first_max_words,
+        default=TTS.first_max_words,
         help="words in the first spoken piece when no clause has ended yet: speech starts sooner with fewer, "
         "flows more smoothly with more (default %(default)s; 4: 40-65 ms later first audio, docs/voice.md)",
     )
-    g.add_argument("--max-history-tokens", type=int, default=768)
-    g.add_argument("--voice-max-tokens", type=int, default=96, help="token cap of a spoken answer")
+    g.add_argument(
+        "--piece-growth",
+        type=float,
+        default=TTS.piece_growth,
+        help="a spoken piece after the first has at most this many times the words already spoken, so each is "
+        "synthesised while the audio before it plays (0: whole clauses and sentences; default %(default)s)",
+    )
+    g.add_argument(
+        "--synth-low-water-s",
+        type=float,
+        default=V.synth_low_water_s,
+        help="pause generation while a piece is synthesised with less than this many seconds of audio queued "
+        "ahead of it (0: only for the first piece; default %(default)s)",
+    )
+    g.add_argument("--max-history-tokens", type=int, default=DLG.max_history_tokens)
+    g.add_argument("--voice-max-tokens", type=int, default=V.max_tokens, help="token cap of a spoken answer")
 
 
 def _words(text: str) -> int:
@@ -108,7 +145,10 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
         vad=VadOptions(
             threshold=args.vad_threshold, min_speech_ms=args.min_speech_ms, stop_delay_ms=args.stop_delay_ms
         ),
-        dialogue=DialogueOptions(system_prompt=args.system_prompt, max_history_tokens=args.max_history_tokens),
+        dialogue=DialogueOptions(
+            system_prompt=DLG.system_prompt if args.system_prompt is None else args.system_prompt,
+            max_history_tokens=args.max_history_tokens,
+        ),
         max_tokens=args.voice_max_tokens,
         full_duplex=getattr(args, "full_duplex", False),
         barge_in_min_ms=args.barge_in_ms,
@@ -127,5 +167,6 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
             on_missing=args.turn_model_missing,
         ),
         draft=args.draft,
-        tts=TtsOptions(first_max_words=args.first_words),
+        tts=TtsOptions(first_max_words=args.first_words, piece_growth=args.piece_growth),
+        synth_low_water_s=args.synth_low_water_s,
     )

@@ -103,7 +103,7 @@ class AppCore:
         self.turn_listeners: list[Callable[[TurnDone], None]] = []  # tests and benchmarks observe finished turns
         self.log = TurnLog()  # finished turns as the page shows them, for a tab that reloads
         self._probe: tuple[tuple[str, str], dict[str, Any]] | None = None  # the last connection test of the target
-        self.active: Any = None  # the connected tab's session (session.Session)
+        self.active: Any = None  # the connected tab's session.Session (not imported: it imports this module)
         self._stack = contextlib.ExitStack()
         self._local: tuple[str, str] | None = None
         self._apply_lock = threading.Lock()
@@ -265,7 +265,8 @@ class AppCore:
         link = CloudLink(url, key, timeout_s=5.0, connect_timeout_s=5.0)
         t0 = time.perf_counter()
         try:
-            accept = link.open(edge.info, messages, edge.chat_tokens(messages), self.gen.opts.sampling())
+            opts = self.gen.opts  # asked as an answer asks: a cloud whose model tokenizes differently shares text
+            accept = link.open(edge.info, messages, edge.chat_tokens(messages), opts.sampling(), opts.text_mode)
             ms = (time.perf_counter() - t0) * 1000
             return {
                 "ok": True,

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import numpy as np
+from starlette.websockets import WebSocket
 
 from edge_client.voice.audio_io import DeviceError, Microphone, Speaker
 from edge_client.voice.events import (
@@ -29,12 +30,12 @@ from edge_client.voice.events import (
     SpeechStarted,
     TurnDone,
 )
-from edge_client.voice.pipeline import VoicePipeline
+from edge_client.voice.pipeline import Sink, Source, VoicePipeline
 from shared.decision import CHECK_MODES
 
 from .bridge import BrowserMicrophone, BrowserSink, InputGate, page_time
 from .core import AppCore
-from .settings import BUNDLED_VOICE
+from .settings import BUNDLED_VOICE, AppSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +77,14 @@ def event_json(ev: Event) -> dict[str, Any] | None:
 class Session:
     """One connected tab: the socket's outgoing queue, the pipeline and its thread."""
 
-    def __init__(self, core: AppCore, ws: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, core: AppCore, ws: WebSocket, loop: asyncio.AbstractEventLoop) -> None:
         self.core, self.ws, self.loop = core, ws, loop
         self.out: asyncio.Queue[Any] = asyncio.Queue()
         self.closed = False
         self.pipe: VoicePipeline | None = None
         self.gate: InputGate | None = None
         self.mic: BrowserMicrophone | None = None
-        self.sink: Any = None
+        self.sink: Sink | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._mic_on = False
@@ -183,7 +184,7 @@ class Session:
         self.send({"type": "history", "history": []})
         self.send({"type": "notice", "level": "info", "message": "conversation reset"})
 
-    def settings_changed(self, old: Any, new: Any) -> None:
+    def settings_changed(self, old: AppSettings, new: AppSettings) -> None:
         """Apply what the session itself holds (talk mode, barge-in, devices) and tell the page."""
         if self.gate is not None:
             self.gate.push_to_talk = new.talk_mode == "push-to-talk"
@@ -211,7 +212,7 @@ class Session:
             vopts.full_duplex = s.barge_in  # the browser cancels the echo: barge-in on open speakers
             self.mic = BrowserMicrophone()
             self.mic.set_mic(self._mic_on)
-            source: Any = self.mic
+            source: Source = self.mic
             self.sink = BrowserSink(self.send, core.engines.synth.rate)
         else:
             try:

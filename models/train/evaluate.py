@@ -58,10 +58,22 @@ from typing import Any, Callable
 import numpy as np
 
 from models.registry import model_info
+from models.train.gap import gap_interval as bootstrap_gap
 from models.train.label import chat
 from models.train.pair import PairStepper, log_softmax_row
 from shared.completions import CompletionsClient, Position, VocabModel
-from shared.decision import TIE_NATS, AnswerRule, ClauseEnds, RuleOptions, Step, cloud_choice, judge_draft
+from shared.decision import (
+    CHECK_MAX_DRAFT,
+    SYNC_EVERY,
+    TIE_NATS,
+    AnswerRule,
+    ClauseEnds,
+    RuleOptions,
+    Step,
+    cloud_choice,
+    draft_ends,
+    judge_draft,
+)
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -106,7 +118,7 @@ class EvalOptions:
     )
     cloud_engine: str | None = None  # a remote completions engine's URL: lookahead/check methods also run "@remote"
     cloud_engine_format: str = "ids"  # its prompt format: "ids", or "text" (llama-cpp-python's server)
-    sync_every: int = 4  # the generator's eager sync (GeneratorOptions.sync_every), for the work model
+    sync_every: int = SYNC_EVERY  # the generator's eager sync (GeneratorOptions.sync_every), for the work model
 
 
 @dataclass(slots=True)
@@ -288,7 +300,7 @@ def _decode(
             if r.rule is not None:
                 r.rule.start_answer()
             if r.rule is not None or r.cloud_only:
-                r.work = CloudWork(len(prompts[i]), opts.sync_every if opts is not None else 4)
+                r.work = CloudWork(len(prompts[i]), opts.sync_every if opts is not None else SYNC_EVERY)
     active = list(runs)
     for _ in range(max_tokens):
         views = {v.seq: v for v in stepper.views()}
@@ -413,11 +425,9 @@ class CloudWork:
     model: see the module docstring). States: device tokens the cloud lacks (`unsent`), its own
     written token not yet decoded (`own`), next-position logits kept by a prefill (`ready`)."""
 
-    MAX_DRAFT = 12  # GeneratorOptions.check_max_draft
-
-    def __init__(self, n_prompt: int, sync_every: int = 4) -> None:
+    def __init__(self, n_prompt: int, sync_every: int = SYNC_EVERY, max_draft: int = CHECK_MAX_DRAFT) -> None:
         self.work = Work()
-        self.sync_every = sync_every
+        self.sync_every, self.max_draft = sync_every, max_draft
         self.unsent = self.own = self.clause = 0
         self.ready, self.past_end = True, False
         self._pass("prefill_tokens", n_prompt)  # after hello
@@ -451,7 +461,7 @@ class CloudWork:
                 self._sync()  # the check sends the final tokens the cloud lacks first
             self.clause += 1
             rejected = tok != proposed
-            if rejected or self.past_end or self.clause >= self.MAX_DRAFT:
+            if rejected or draft_ends(self.clause, self.past_end, self.max_draft):  # the device's draft rule
                 self._verify(rejected)
             else:
                 self.past_end = rule.clause_ends(proposed)
@@ -538,41 +548,15 @@ def _work_point(items: list[tuple[_Run, str]], n: int) -> dict[str, Any]:
     }
 
 
-def gap_interval(runs: list[_Run], names: list[str], n_boot: int = 1000, seed: int = 0) -> dict[str, list[float]]:
-    """95% bootstrap interval of `gap_recovered_at_30` over prompts (resampled with replacement).
-
-    Why: which queries are evaluated moves the figure more than most router changes do (a 40-query
-    set is a small sample of answers), so a single figure needs its spread next to it.
-    """
+def gap_interval(runs: list[_Run], names: list[str], seed: int = 0) -> dict[str, list[float]]:
+    """95% bootstrap interval of `gap_recovered_at_30` over prompts (models/train/gap.py, on tokens)."""
     prompts = sorted({r.prompt for r in runs})
     index = {p: i for i, p in enumerate(prompts)}
-    keys = sorted({(r.method, r.target) for r in runs})
-    nll, tok, routed = (np.zeros((len(keys), len(prompts))) for _ in range(3))
+    per_prompt: dict[tuple[str, float], np.ndarray] = {}
     for r in runs:
-        k, i = keys.index((r.method, r.target)), index[r.prompt]
-        nll[k, i], tok[k, i], routed[k, i] = r.nll, len(r.tokens), r.routed
-    counts = (
-        np.random.default_rng(seed).multinomial(len(prompts), [1 / len(prompts)] * len(prompts), size=n_boot).T
-    )  # [prompts, n_boot]
-    nll_b, tok_b, routed_b = nll @ counts, np.maximum(tok @ counts, 1), routed @ counts  # [keys, n_boot]
-    mean_nll, frac = nll_b / tok_b, routed_b / tok_b
-    edge, cloud = mean_nll[keys.index(("edge-only", 0.0))], mean_nll[keys.index(("cloud-only", 1.0))]
-    out: dict[str, list[float]] = {}
-    for m in names:
-        rows = [keys.index(k) for k in keys if k[0] == m]
-        gaps = []
-        for b in range(n_boot):
-            x = np.concatenate([[0.0], frac[rows, b], [1.0]])
-            y = np.concatenate([[edge[b]], mean_nll[rows, b], [cloud[b]]])
-            order = np.argsort(x, kind="stable")
-            if edge[b] - cloud[b] > 0:
-                gaps.append((edge[b] - np.interp(0.3, x[order], y[order])) / (edge[b] - cloud[b]))
-        out[m] = (
-            [round(float(np.percentile(gaps, 2.5)), 4), round(float(np.percentile(gaps, 97.5)), 4)]
-            if gaps
-            else [float("nan")] * 2
-        )
-    return out
+        rows = per_prompt.setdefault((r.method, r.target), np.zeros((3, len(prompts))))
+        rows[:, index[r.prompt]] = r.nll, len(r.tokens), r.routed
+    return bootstrap_gap(per_prompt, names, seed=seed)
 
 
 def interp_nll(points: list[dict[str, float]], fraction: float) -> float:

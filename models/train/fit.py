@@ -37,7 +37,7 @@ class FitOptions:
     train: list[str]
     val: list[str] = field(default_factory=list)  # empty: hold out 15% of training prompts
     out: Path = Path("router.npz")
-    label: str = "regret"  # what the shipped router is trained on: see docs/router.md, "Which label"
+    label: str = "regret"  # the shipped router's label: docs/router.md, "Which label"; runs: docs/journal/router.md
     regret_nats: float = 1.0
     hidden_units: int = 32
     buckets: int = 1024

@@ -25,7 +25,7 @@ edge-only and cloud-only (every position asked: the cloud's own text, up to ties
 `lookahead`, methods also run with the cloud's text guess after each span deciding the next
 position ("<method>+lookahead@<nats>", shared/text_history.py `TextGuess`), as the generator does
 by default. The gap
-recovered comes with a 95% bootstrap interval over prompts (as evaluate.py's `gap_interval`).
+recovered comes with a 95% bootstrap interval over prompts (models/train/gap.py, as the token eval's).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from models.registry import model_info
+from models.train.gap import gap_interval
 from shared.decision import AnswerRule, RuleOptions, Step, cloud_choice
 from shared.learned_router import LearnedRouter, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
@@ -46,7 +47,8 @@ from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter, RandomRouter, Router
 from shared.sampling import Guess, Sampler
-from shared.text_history import SPAN_TOKENS, AnswerText, TextGuess, common_prefix, complete_utf8, span_done
+from shared.sequences import common_prefix
+from shared.text_history import SPAN_TOKENS, AnswerText, SpanWriter, TextGuess, complete_utf8, device_pieces
 
 TEXT_METHODS = ("learned", "entropy", "random")
 DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)  # of positions asked: a span takes more in bytes
@@ -141,43 +143,33 @@ class _Answer:
 
 
 def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
-    """The cloud's span after `text` (shared/text_history.py, `span_done`): (its text, answer ended)."""
+    """The cloud's span after `text` by the server's rule (`SpanWriter`): (its text, answer ended)."""
     cloud.follow(text)
     logits, _ = cloud.next()
     token = cloud_choice(logits, sampler, cloud.view.proposal(text, proposed))
-    written, n = b"", 0
+    w = SpanWriter(cloud.view, text, SPAN_TOKENS)
     while True:
-        n += 1
-        if cloud.model.is_eog(token):
-            return written[: complete_utf8(written)], True
-        cloud.history.append(token)
-        written += cloud.model.token_bytes(token)
-        cut = cloud.view.stop_cut(text, written)
-        if cut is not None:  # a base model began the person's next line: the answer ends here
-            return written[:cut][: complete_utf8(written[:cut])], True
-        pending = cloud.view.stop_pending(text, written)
-        if span_done(written, n, SPAN_TOKENS, b"a", pending=pending):
+        eog = cloud.model.is_eog(token)
+        step = w.add(token, eog)
+        if not eog:
+            cloud.history.append(token)
+        if step in ("end", "stop"):
             break
         logits, _ = cloud.next()
-        nxt = int(np.argmax(logits))
-        if complete_utf8(written) == len(written):
-            if cloud.model.is_eog(nxt):
-                return written, True
-            if span_done(written, n, SPAN_TOKENS, cloud.model.token_bytes(nxt), pending=pending):
+        token = int(np.argmax(logits))
+        if step == "peek":  # the server peeks at the same greedy next token
+            step = w.after_peek(cloud.model.token_bytes(token), cloud.model.is_eog(token))
+            if step in ("end", "stop"):  # "end": the server writes that end, the answer ends here
+                w.eog = w.eog or step == "end"
                 break
-        token = nxt
-    return written[: complete_utf8(written)], False
+    return w.whole(), w.eog
 
 
 def _take_cloud_text(a: _Answer, edge: _Side, added: bytes, room: int) -> int:
     """The cloud's text joins the answer, as `Turn.take_text` does on the device: cut to the
-    answer's room in device tokens (whole characters), counted as cloud bytes, the device's
-    history re-tokenized. Returns the device positions it took (at least one)."""
-    pieces = edge.model.tokenize(added.decode("utf-8"), parse_special=False)
-    if len(pieces) > room:  # the answer's room ends inside the text
-        pieces = pieces[:room]
-        added = b"".join(edge.model.token_bytes(t) for t in pieces)
-        added = added[: complete_utf8(added)]
+    answer's room in device tokens (whole characters: `device_pieces`), counted as cloud bytes, the
+    device's history re-tokenized. Returns the device positions it took (at least one)."""
+    pieces, added = device_pieces(edge.model, added, False, room)
     a.cloud_bytes += len(added)
     a.text += added
     edge.follow(a.text)
@@ -349,43 +341,7 @@ def evaluate_text(
         "max_tokens": opts.max_tokens,
         "points": points,
         "gap_recovered_at_30_bytes": gap,
-        "gap_recovered_at_30_bytes_ci95": gap_interval_text(per_prompt, methods, seed=opts.seed),
+        "gap_recovered_at_30_bytes_ci95": gap_interval(per_prompt, methods, seed=opts.seed),
         "router": str(opts.router) if learned is not None else None,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-
-
-def gap_interval_text(
-    per_prompt: dict[tuple[str, float], np.ndarray], methods: list[str], n_boot: int = 1000, seed: int = 0
-) -> dict[str, list[float]]:
-    """95% bootstrap interval of the gap recovered at 30% cloud bytes over prompts (resampled with
-    replacement; evaluate.py's `gap_interval` on bytes). per_prompt[(method, target)]: rows NLL,
-    bytes, cloud bytes per prompt."""
-    n = per_prompt[("edge-only", 0.0)].shape[1]
-    counts = np.random.default_rng(seed).multinomial(n, [1 / n] * n, size=n_boot).T  # [prompts, n_boot]
-
-    def boot(key: tuple[str, float]) -> tuple[np.ndarray, np.ndarray]:
-        nll, total, cbytes = per_prompt[key] @ counts
-        total = np.maximum(total, 1)
-        return nll / total, cbytes / total
-
-    edge, _ = boot(("edge-only", 0.0))
-    cloud, _ = boot(("cloud-only", 1.0))
-    out: dict[str, list[float]] = {}
-    for m in methods:
-        curves = [boot(k) for k in sorted(per_prompt) if k[0] == m]
-        ys, xs = np.array([c[0] for c in curves]), np.array([c[1] for c in curves])  # [targets, n_boot]
-        gaps = []
-        for b in range(n_boot):
-            if edge[b] - cloud[b] <= 0:
-                continue
-            x = np.concatenate([[0.0], xs[:, b], [1.0]])
-            y = np.concatenate([[edge[b]], ys[:, b], [cloud[b]]])
-            order = np.argsort(x, kind="stable")
-            gaps.append((edge[b] - np.interp(0.3, x[order], y[order])) / (edge[b] - cloud[b]))
-        out[m] = (
-            [round(float(np.percentile(gaps, 2.5)), 4), round(float(np.percentile(gaps, 97.5)), 4)]
-            if gaps
-            else [float("nan")] * 2
-        )
-    return out

@@ -51,7 +51,8 @@ import numpy as np
 
 from shared.learned_router import LogitFeaturizer
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
-from shared.text_history import AnswerText, common_prefix, complete_utf8
+from shared.sequences import common_prefix
+from shared.text_history import AnswerText, complete_utf8
 
 LABEL_SPACE = "text"
 LABEL_RULE = "regret = NLL_cloud(b_e|T) - NLL_cloud(b_c|T) * |b_e|/|b_c| (models/train/text_label.py)"
