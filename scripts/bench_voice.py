@@ -458,7 +458,7 @@ def turn_study(args: argparse.Namespace, data: dict) -> None:
     """The end-of-turn judge replayed offline at every pause of paused and fluent syntheses: the speculative
     final decode (text, Whisper's last-word probability) and Smart Turn 64 ms into the pause, as the pipeline
     makes them; a turn is cut off when a pause the person resumed from lasts at least the wait the judge sets.
-    Compares the transcript cue with and without the word probability (docs/voice.md, Turn-taking)."""
+    Compares the transcript cue with and without the word probability (docs/journal/voice.md)."""
     from edge_client.voice.asr import close_gaps
     from edge_client.voice.endofturn import EndOfTurn, SmartTurn
 

@@ -33,12 +33,12 @@ class AsrOptions:
     # One CTranslate2 thread: a final decode took ~105 ms on one thread against ~135 ms on two (the decoder's
     # small per-token products gain nothing from a second thread), and the other core stays free for Smart Turn,
     # the prompt prefill and the cloud. End of speech -> first audio paired median -50 ms, faster on 80 % of
-    # queries (scripts/bench_voice.py --compare="--asr-threads 1", docs/voice.md).
+    # queries (scripts/bench_voice.py --compare="--asr-threads 1", docs/journal/voice.md).
     cpu_threads: int = 1
     pad_s: float = 1.0  # silence appended before encoding; "full" context = 30 s if pad_s < 0
     # Silence put before the utterance. The VAD's pre-roll leaves ~0.2 s before the speech, and with so
     # little lead tiny.en heard the demo's last word "France" as "friends" in 7 of 24 syntheses; with
-    # 0.2 s more, 24 of 24 right (docs/voice.md).
+    # 0.2 s more, 24 of 24 right (docs/journal/voice.md).
     lead_s: float = 0.2
     partial_interval_ms: int = 300  # re-decode while speaking at most this often
     model_dir: str | None = None  # a CTranslate2 Whisper directory instead of the bundled tiny.en (measurements)
@@ -78,7 +78,7 @@ class Transcriber:
         """The transcript. A `final` one also has Whisper's probability of its last word (the end-of-turn judge
         uses it: a function word cut off at a pause often comes out as a confident-looking other word), and
         a loop that `collapse_repeats` could not cut ("T- ya T- ya" for "See ya!") is decoded again whole,
-        as offline (30 s context, temperature fallback): ~0.5 s more, on ~1 % of turns (docs/voice.md)."""
+        as offline (30 s context, temperature fallback): ~0.5 s more, on ~1 % of turns (docs/journal/voice.md)."""
         import ctranslate2
 
         dur = len(audio) / RATE

@@ -6,7 +6,7 @@ and that worker then busy-waits ~100 ms for more work. Every Whisper feature ext
 Smart Turn call (the same product in `endofturn.log_mel_8s`) did that, so on a 2-core
 machine one core spun for ~100 ms right when the final decode, the answer's first tokens
 and Piper needed both. Measured: a 4 ms feature extraction followed by 103 ms of the
-process's CPU time while it slept, 0.1 ms with one thread (docs/voice.md). The products
+process's CPU time while it slept, 0.1 ms with one thread (docs/journal/voice.md). The products
 themselves are small (80 x 201 by 201 x T), so one thread costs nothing measurable.
 """
 

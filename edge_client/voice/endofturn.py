@@ -6,7 +6,7 @@ ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
 
 - Smart Turn v3.2 (pipecat-ai's BSD-2 audio model, an 8 MB int8 ONNX file in the `pipecat-ai`
   wheel): the probability that the last up-to-8 s of audio is a finished turn, from intonation
-  and rhythm; ~85 ms on one idle core of the 2-core VM, 150-250 ms on a busy one (docs/voice.md).
+  and rhythm; ~85 ms on one idle core of the 2-core VM, 150-250 ms on a busy one (docs/journal/voice.md).
 - the transcript of the speculative final decode, read two ways: the device model's P(end of the
   message) after its last word (edge_client/message_end.py: ~0 after "set a timer for" or "text my
   sister that", 0.1-0.7 after a whole request; it comes from the prefill the answer needs anyway),
@@ -148,7 +148,7 @@ _OPEN_WORDS = frozenset(
 # "get my," -> "Get mine.", "your," -> "here", "a," -> "I" / "eh", "to," -> "2" / "two", "um," -> "up". Each is also a
 # fine last word ("can you help me", "what is it"): 7.5 % of CLINC150's queries end on one. So such a word counts as
 # mid-phrase only when Whisper itself was unsure of it (`TurnOptions.unsure_word_prob`): at the cut it gave
-# these words p 0.2-0.85, while 3 in 4 real endings on them got > 0.9 (docs/voice.md).
+# these words p 0.2-0.85, while 3 in 4 real endings on them got > 0.9 (docs/journal/voice.md).
 _SOUNDALIKES = frozenset(
     """that this them then there these those i eh mine me might you you're here year too two 2 do four 4 off it
     one end n are our well which up""".split()
@@ -159,7 +159,7 @@ def sure_ending(text: str, last_word_prob: float | None, sure_from: float) -> bo
     """The transcript closes itself: it ends on a question mark and Whisper gave its last word a probability
     of at least `sure_from` (1: never). Not a full stop: at a comma pause after a complete clause ("I'm not
     sure if watermelon is on my shopping list, but...") Whisper writes "list." at 0.99, and Smart Turn is
-    the one that hears the sentence go on (docs/voice.md). Call it on text that is not mid-phrase."""
+    the one that hears the sentence go on (docs/journal/voice.md). Call it on text that is not mid-phrase."""
     if sure_from >= 1.0 or last_word_prob is None:
         return False
     return text.strip().endswith("?") and last_word_prob >= sure_from
@@ -196,7 +196,7 @@ class TurnOptions:
     # decode is in and only if the transcript does not decide alone; "pause", at once, beside the final decode;
     # "first-clause", once the speculative answer's first piece is synthesised (held), so the audio is ready
     # the moment the turn is judged over, but the first audio came later (paired median +97 ms fluent, +81 ms
-    # paused). Measured in docs/voice.md.
+    # paused). Measured in docs/journal/voice.md.
     judge_at: str = "transcript"
     text_cue: bool = True  # the transcript counts: the function-word rule and the device model's P(end)
     # The device model's P(end of the message) after the transcript's last word (edge_client/message_end.py):
@@ -215,7 +215,7 @@ class TurnOptions:
     # short wait without asking Smart Turn (1: always ask). Smart Turn doubts the real end of hesitant speech
     # (p < 0.1 after an "um" on many paused questions); over 550 syntheses this took paused ends waiting
     # long from 49 to 42 % and spared Smart Turn at 27-38 % of fluent ends, with no more cut-offs. A full
-    # stop is left out: it cut off fluent questions at a comma after a complete clause (docs/voice.md).
+    # stop is left out: it cut off fluent questions at a comma after a complete clause (docs/journal/voice.md).
     sure_end_prob: float = 0.95
     on_missing: str = (
         "error"  # the model file is missing: "error" (say what to install) or "silence" (fall back, visibly)
@@ -275,7 +275,7 @@ class TurnDecision:
     @property
     def judged_by(self) -> str:
         """What set the wait: "transcript" (it decided alone), "smart-turn", or the silence mode. The
-        reply's readiness differs by far between the first two (docs/voice.md, Benchmark)."""
+        reply's readiness differs by far between the first two (docs/journal/voice.md)."""
         if self.mode != "smart":
             return self.mode
         return "transcript" if self.text_decides else "smart-turn"

@@ -116,13 +116,13 @@ class VoiceOptions:
     # and a piece whose synthesis outlasts the audio ahead is heard as a gap; the next piece's tokens have this
     # piece's playing time to catch up. Beside a busy core such pieces were synthesised 14 ms sooner (paired
     # median, 32 pieces), with no more pieces waiting for tokens and first audio unchanged; the gaps, a tie
-    # (`scripts/bench_voice.py --reply-s 6 --busy-cores 1 --compare="--synth-low-water-s 0"`, docs/voice.md).
+    # (`scripts/bench_voice.py --reply-s 6 --busy-cores 1 --compare="--synth-low-water-s 0"`, docs/journal/voice.md).
     # TtsOptions.piece_growth is what removed most gaps.
     synth_low_water_s: float = 1.0
     turn: TurnOptions = field(default_factory=TurnOptions)  # end of turn: Smart Turn + transcript, adaptive wait
     # Draft the reply's first piece from partial transcripts while the person speaks. Off by default: it hits
     # 37 % of fluent turns, a tie on first audio (paired median -5 and 0 ms in two runs), and each turn's misses
-    # wasted 17 tokens, 4.9 of them the cloud's (docs/voice.md).
+    # wasted 17 tokens, 4.9 of them the cloud's (docs/journal/voice.md).
     draft: bool = False
     max_utterance_s: float = 28.0
     # numpy's BLAS threads (0: the library's default, one per core). One, because OpenBLAS's worker spins
@@ -703,7 +703,7 @@ class VoicePipeline:
         its last word (`TurnOptions.sure_end_prob`): then the transcript alone decides. Run
         beside the final Whisper decode (`TurnOptions.judge_at` "pause"), it delayed that decode and the whole
         answer on two cores. With "first-clause" it also waits for the speculative answer's first piece to be
-        synthesised (measured slower to the first audio: docs/voice.md)."""
+        synthesised (measured slower to the first audio: docs/journal/voice.md)."""
         u = self._utt
         if u is None or u.judged or not self.eot.smart or self._silence_ms < self.eot.opts.judge_after_ms:
             return

@@ -51,7 +51,7 @@ class TtsOptions:
     # 9-14-word clause took 350-580 ms to synthesise beside a busy core, with 150-270 ms of audio left. With 2
     # (and VoiceOptions.synth_low_water_s) turns with a gap over 200 ms fell from 9 to 1 of 30 (12 to 5 on a
     # more loaded machine), first audio unchanged (`scripts/bench_voice.py --reply-s 6 --busy-cores 1
-    # --compare="--piece-growth 0 --synth-low-water-s 0"`, docs/voice.md). The price: more seams.
+    # --compare="--piece-growth 0 --synth-low-water-s 0"`, docs/journal/voice.md). The price: more seams.
     piece_growth: float = 2.0
     min_first_chars: int = 2  # do not speak a lone "A," as a chunk
     # onnxruntime's threads busy-wait between operators by default. On 2 cores, with anything else running
