@@ -766,6 +766,10 @@ def test_reload_and_reset_keep_the_conversation_true(app, tmp_path):
         assert texts(d, ".turn .answer .tok.cloud") == live[0] and len(live[0]) == a.n_cloud_tokens
         assert (texts(d, "#cloud-share"), texts(d, "#answer-state")) == live[1:]
         assert attr(d, '#waterfall .stage[data-stage="first_audio_out"]', "data-ms") not in (None, "")
+        # the waterfall lists the stages in the order they ended (the endpoint may come after the final transcript)
+        shown = d.execute_script("return [...document.querySelectorAll('#waterfall .stage')].map(e => e.dataset.ms)")
+        ms = [float(v) for v in shown if v]
+        assert ms == sorted(ms) and len(ms) >= 6, shown
         d.find_element("id", "reset").click()
         wait_for(lambda: texts(d, ".reset-divider"), 10, "the divider", d)
         assert d.execute_script("return [...document.querySelectorAll('.turn')].every(e => e.matches('.forgotten'))")
