@@ -594,8 +594,14 @@ window.addEventListener("keyup", (e) => {
 
 window.addEventListener("blur", () => setPtt(false));
 
+// The mode shows (and the space bar works) at once; the saved setting follows, or the page says why not.
 for (const id of ["#mode-hands-free", "#mode-ptt"]) {
-  $(id).addEventListener("click", (e) => saveSettings({ talk_mode: e.currentTarget.dataset.mode }));
+  $(id).addEventListener("click", async (e) => {
+    const mode = e.currentTarget.dataset.mode;
+    update({ mode, ptt: false });
+    const r = await saveSettings({ talk_mode: mode });
+    if (!r.ok) { update({ mode: S.settings.talk_mode }); notice("error", `the talk mode was not changed: ${r.error}`); }
+  });
 }
 
 $("#reset").addEventListener("click", () => send({ type: "reset" }));
