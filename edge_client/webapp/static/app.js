@@ -181,7 +181,7 @@ function onMessage(m) {
     case "notice": notice(m.level, m.message); break;
     case "cloud": update({ cloud: m }); break;
     case "history": renderMemory(m.history); break;
-    case "conversation_reset": markReset(); break;
+    case "conversation_reset": markReset(); renderMemory([]); break; // one message: the page never shows half a reset
     case "settings": applySettings(m.settings); break;
     case "play_turn": S.playSeq = m.seq; if (S.player) S.player.port.postMessage({ type: "turn", seq: m.seq }); break;
     case "play_pause": if (S.player) S.player.port.postMessage({ type: "pause", paused: m.paused }); break;
