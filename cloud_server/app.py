@@ -23,6 +23,7 @@ limit every logged traceback of the process shares (cloud_server/logs.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import struct
 import time
@@ -35,6 +36,7 @@ from fastapi import FastAPI, Response, WebSocket, WebSocketDisconnect
 from cloud_server.audit import AuditLog, AuditOptions
 from cloud_server.auth import KeyChecker
 from cloud_server.config import ServerConfig
+from cloud_server.drain import DRAIN_REASON, GOING_AWAY, Drain
 from cloud_server.engine import CloudEngine
 from cloud_server.engine_api import Worker
 from cloud_server.logs import ADMITTED, TRACEBACK_EVERY_S, TRACEBACKS, TracebackLimit
@@ -71,7 +73,6 @@ except (ImportError, AttributeError):  # pragma: no cover - not Linux
 
 WS_PATH = "/v1/route"
 POLICY_VIOLATION = 1008
-GOING_AWAY = 1001
 INTERNAL_ERROR = 1011
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes, 2 of them the code
 CLOSE_GRACE_S = 1.0  # how long a farewell and the close frame may wait for room in the send buffer
@@ -144,9 +145,14 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.worker = worker
     app.state.services = services
 
+    drain = app.state.drain = Drain()
+
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok", "sessions": worker.engine.n_sessions}
+    async def healthz() -> Response:
+        """200 while serving; 503 while draining, so a balancer or Kubernetes sends no new sessions here."""
+        status = "draining" if drain.draining else "ok"
+        body = json.dumps({"status": status, "sessions": worker.engine.n_sessions})
+        return Response(body, status_code=503 if drain.draining else 200, media_type="application/json")
 
     @app.get("/v1/info")
     async def server_info() -> dict:
@@ -177,6 +183,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def route(ws: WebSocket) -> None:
         await ws.accept()
         metrics.connections.inc()
+        if drain.draining:  # accepted just before the listener closed: the device fails over at once
+            await _close_socket(ws, GOING_AWAY, DRAIN_REASON, timeout_s=CLOSE_GRACE_S)
+            return
+        key = id(ws)
+        drain.register(key, lambda code, reason: _close_socket(ws, code, reason, timeout_s=CLOSE_GRACE_S))
         budget = _SendBudget(ws.scope.get(_TRANSPORT), config.max_send_queue_bytes, config.send_timeout_s)
 
         async def send(msg: Message) -> None:
@@ -198,12 +209,14 @@ def create_app(config: ServerConfig) -> FastAPI:
         farewell: Message | None = None  # sent after the session is freed, before the close frame
         try:
             while True:
+                drain.waiting(key, True)  # between requests: a drain may close it now
                 try:
                     event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
                 except asyncio.TimeoutError:
                     metrics.rejections.labels("idle").inc()
                     close = (GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
                     break
+                drain.waiting(key, False)
                 if event["type"] == "websocket.disconnect":
                     close = None
                     break
@@ -228,6 +241,10 @@ def create_app(config: ServerConfig) -> FastAPI:
                     if conn.n_errors >= config.max_errors_per_connection:
                         close = (POLICY_VIOLATION, "too many protocol errors")
                         break
+                if drain.should_close():  # the reply to this message is sent: the device fails over now
+                    metrics.drained.inc()
+                    close = (GOING_AWAY, DRAIN_REASON)
+                    break
         except _SlowReader as slow:  # nothing more can be written: free the session now, then drop the socket
             close = (POLICY_VIOLATION, str(slow))
             await conn.demote()  # engine time for replies nobody reads: its key waits behind the others
@@ -245,6 +262,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 farewell = Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed")
                 close = (INTERNAL_ERROR, "internal server error")
         finally:
+            drain.unregister(key)
             try:  # the session first: its KV cells are free at once, whatever the socket does next
                 await conn.close()
             except Exception:
@@ -421,8 +439,6 @@ def _decode(frame: str | bytes, max_bytes: int) -> Message:
 
 def _request_id(frame: str | bytes) -> int | None:
     """Best-effort request id of a refused frame, so the device can match the error."""
-    import json
-
     try:
         text = frame if isinstance(frame, str) else frame[4 : 4 + int.from_bytes(frame[:4], "big")]
         rid = json.loads(text).get("request_id")

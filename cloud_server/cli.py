@@ -10,6 +10,7 @@ import sys
 from cloud_server.app import create_app
 from cloud_server.auth import digest, load_keys
 from cloud_server.config import READY_LINE, ServerConfig
+from cloud_server.drain import DrainingServer
 from cloud_server.logs import setup_logging
 from cloud_server.remote_engine import VERIFY_MODES
 from models.registry import DEFAULT_CLOUD_MODEL, ModelNotFoundError
@@ -91,6 +92,12 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         "--max-messages-per-s", type=float, default=d.max_messages_per_s, help="per connection (bursts of 2x)"
     )
     g.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
+    g.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=d.drain_timeout_s,
+        help="on SIGTERM, how long sessions may finish their request before they are closed (0: stop at once)",
+    )
     g.add_argument(
         "--send-timeout-s",
         type=float,
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         max_messages_per_s=args.max_messages_per_s,
         idle_timeout_s=args.idle_timeout_s,
         send_timeout_s=args.send_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
         max_send_queue_bytes=args.max_send_queue_bytes,
         key_max_sessions=args.key_max_sessions,
         key_tokens_per_minute=args.key_tokens_per_minute,
@@ -220,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         sys.exit(f"tokenrouter-cloud: cannot listen on {args.host}:{args.port}: {exc.strerror}")
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
+    server = DrainingServer(
+        app.state.drain,
+        config.drain_timeout_s,
         uvicorn.Config(
             app,
             log_level=args.log_level,
@@ -230,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             ws_ping_interval=20,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
-        )
+        ),
     )
     scheme = "wss" if args.ssl_certfile else "ws"
     print(f"{READY_LINE} url={scheme}://{args.host}:{port}/v1/route port={port}", flush=True)

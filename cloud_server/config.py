@@ -25,6 +25,9 @@ class ServerConfig:
     max_errors_per_connection: int = 32  # then the connection is closed
     idle_timeout_s: float = 300.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a device that reads nothing this long is disconnected (slow reader)
+    # SIGTERM drains (cloud_server/drain.py): sessions finish their request, then close 1001; past this,
+    # the rest are closed anyway (keep it under Kubernetes' terminationGracePeriodSeconds)
+    drain_timeout_s: float = 20.0
     max_send_queue_bytes: int = 1 << 20  # bytes queued unread for one connection before it is closed (slow reader)
     threads: int | None = None
     record_dir: str | None = (

@@ -97,6 +97,21 @@ class LocalCloudServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def terminate(self) -> None:
+        """SIGTERM, as Kubernetes sends to a pod it retires: the server drains (cloud_server/drain.py)
+        and exits by itself; `wait` for it."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit status once the server has exited within `timeout_s`, else None."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()

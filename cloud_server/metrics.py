@@ -10,6 +10,7 @@ Names (all prefixed tokenrouter_):
     evictions_total, restores_total{how}       KV budget
     rejections_total{reason}                   refusals: auth, quotas, capacity, limits, abuse
     protocol_errors_total{code}, abuse_flags_total
+    sessions_resumed_total, sessions_drained_total   failover: sessions rebuilt here, closed by a drain
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class ServerMetrics:
             P + "protocol_errors", "Frames answered with an error, by code", ["code"], registry=r
         )
         self.abuse_flags = Counter(P + "abuse_flags", "Sessions flagged by the abuse check", registry=r)
+        self.resumed = Counter(
+            P + "sessions_resumed", "Sessions a device rebuilt here after losing its replica mid-answer", registry=r
+        )
+        self.drained = Counter(P + "sessions_drained", "Sessions closed 1001 by a drain, after their reply", registry=r)
 
     def bind(self, n_sessions: Callable[[], int], kv: KVPool | None = None) -> None:
         """Read gauges on each scrape (no bookkeeping on the hot path): the open sessions, and the KV

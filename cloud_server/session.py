@@ -272,6 +272,8 @@ class Connection:
                 mode="text" if text_mode else "tokens",
             )
         )
+        if msg.resume:  # a failover: the device lost its replica mid-answer and rebuilds the session here
+            self.services.metrics.resumed.inc()
         await self._prefill(st)
 
     def _check_position(self, st: SessionState, mtype: str, position: int) -> None:

@@ -38,6 +38,13 @@ class Traffic:
     cloud_compute_ms: float = 0.0  # all cloud model time, background prefill included
     wait_ms: float = 0.0  # device time spent waiting on cloud replies (network + cloud compute)
     background_ms: float = 0.0  # the part of cloud_compute_ms done while the device was not waiting
+    # Failovers (edge_client/cloud_session.py): sessions rebuilt on another replica mid-answer; the time from
+    # each loss to its rebuilt session; a request lost in flight and asked again: its wait on the new replica,
+    # and the part of it that replica spent prefilling the history. Time lost: failover_ms + resume_ms.
+    reconnects: int = 0
+    failover_ms: float = 0.0
+    resume_ms: float = 0.0
+    resume_prefill_ms: float = 0.0
     # the cloud model's work, reported with its replies (protocol v2; shared/protocol.py `Work`): units
     # that carry over to a GPU (docs/server.md, "what it costs on a GPU"); 0 from a v1 server
     work: Work = field(default_factory=Work)

@@ -178,11 +178,14 @@ class CloudLink:
         prompt: list[int],
         sampling: SamplingParams,
         text_mode: str,
+        resume: bool = False,
     ) -> Accept:
         """hello -> accept; then make sure the cloud holds exactly `prompt`. `text_mode` (protocol
         v3, GeneratorOptions.text_mode): whether the device offers to share the answer as text
         ("auto": where the tokenizers differ; "always"; "never": a v2 device, tokens only). In a
-        text session each side renders `messages` itself: the cloud holds no answer text yet."""
+        text session each side renders `messages` itself: the cloud holds no answer text yet.
+        `resume`: this session rebuilds one lost mid-answer (a failover; `prompt` then holds the
+        answer so far), which the server counts."""
         try:
             # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
             self._ws = connect(
@@ -205,6 +208,7 @@ class CloudLink:
             sampling=asdict(sampling),
             client="tokenrouter-edge",
             text_mode=text_mode,
+            resume=resume,
         )
         self._send(hello)
         try:
@@ -226,10 +230,12 @@ class CloudLink:
         self.mode = reply.mode
         if self.mode == "text":
             return reply
-        self.held = list(prompt[: reply.n_prompt])
-        if reply.prompt_hash != token_hash(prompt) or reply.n_prompt != len(prompt):
-            # the cloud rendered the chat differently: the device's tokens are the truth
-            self.rollback(0)
+        if reply.n_prompt <= len(prompt) and reply.prompt_hash == token_hash(prompt[: reply.n_prompt]):
+            self.held = list(prompt[: reply.n_prompt])
+            self.sync(prompt[reply.n_prompt :])  # a rebuilt session: the answer so far
+        else:  # the cloud rendered the chat differently: the device's tokens are the truth
+            self.held = []
+            self._send(Rollback(position=0))
             self.sync(prompt)
         return reply
 

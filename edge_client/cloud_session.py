@@ -20,7 +20,8 @@ answer's text (shared/text_history.py) and asks with the `text_*` messages
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import time
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from edge_client.cloud_link import (
     CloudToken,
     CloudUnavailable,
 )
+from edge_client.reconnect import Backoff
 from shared.model_info import ModelInfo
 from shared.protocol import SamplingParams, TextVerdict, Verdict
 from shared.sampling import Guess
@@ -43,6 +45,7 @@ from shared.text_history import SPAN_TOKENS, AnswerText, complete_utf8
 log = logging.getLogger(__name__)
 
 LinkErrors = (CloudUnavailable, CloudError)
+T = TypeVar("T")
 
 
 class CloudSession:
@@ -55,12 +58,15 @@ class CloudSession:
         sampling: SamplingParams,
         *,
         text_mode: str,
+        reconnects: int,
+        reconnect_wait_s: float,
         max_consecutive_timeouts: int = 3,
         answer_text: AnswerText | None = None,
     ) -> None:
         """`text_mode` (protocol v3): "never", "auto" (text where the tokenizers differ) or
         "always", as the options say (GeneratorOptions.text_mode: the one default); `answer_text`:
-        the device model's view of the answer text (needed unless never)."""
+        the device model's view of the answer text (needed unless never). `reconnects` and
+        `reconnect_wait_s`: the failover (GeneratorOptions, the one default)."""
         self._connect = connect
         self.text_mode = text_mode
         self.answer_text = answer_text
@@ -72,9 +78,12 @@ class CloudSession:
         self.link: CloudLink | None = None
         self.last_error = ""
         self.timeouts = 0  # hard tokens the device wrote because the cloud was slow
-        # Reconnect attempts per answer when the cloud is lost mid-answer (0: finish on the device).
-        # A new session is rebuilt from the device's history (open() re-syncs when it differs from the prompt).
-        self.reconnect_mid_answer = 0
+        # Failovers per answer when the cloud is lost mid-answer (0: finish on the device): a new session,
+        # on whichever replica the URL reaches, is rebuilt from the device's history, and the request that
+        # was in flight is asked again. Each failover tries for at most reconnect_wait_s, backing off.
+        self.reconnect_mid_answer = reconnects
+        self.reconnect_wait_s = reconnect_wait_s
+        self.backoff = Backoff()
         self._reconnects_left = 0
         self._retired = Traffic()  # totals of links already dropped
         self._messages: list[dict] | None = None
@@ -151,30 +160,55 @@ class CloudSession:
         self._messages = messages  # from here on a lost cloud may be reconnected (reconnect_mid_answer)
         return ok
 
-    def lose(self, exc: Exception) -> None:
-        """The cloud is gone (or answered an error): drop the link, reconnect if allowed."""
-        log.warning("cloud lost, continuing on the device: %s", exc)
+    def lose(self, exc: Exception, rebuild_at: list[int] | None = None) -> None:
+        """The cloud is gone (or answered an error): drop the link, and fail over if allowed: rebuild
+        the session at `rebuild_at` (default: the device's whole history) on another replica."""
+        log.warning("cloud lost: %s", exc)
         self.last_error = str(exc)
         self.retire()
         if isinstance(exc, CloudUnavailable) and self._reconnects_left > 0 and self._messages is not None:
             self._reconnects_left -= 1
-            self._reconnect(self._messages)
+            self._fail_over(self._messages, self._history()[:] if rebuild_at is None else list(rebuild_at))
 
-    def _reconnect(self, messages: list[dict]) -> None:
+    def _fail_over(self, messages: list[dict], history: list[int]) -> None:
+        """Open a new session through the same URL (a balancer sends it to a live replica) holding
+        `history`, trying with jittered backoff (edge_client/reconnect.py) for `reconnect_wait_s`.
+        The time it took and the count go in the traffic (`reconnects`, `failover_ms`)."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.reconnect_wait_s
+        for wait in self.backoff.waits():
+            if time.perf_counter() + wait > deadline:
+                break
+            time.sleep(wait)
+            try:
+                self._reconnect(messages, history)
+            except CloudRejected as exc:  # a configuration error (key, model): no replica will take it
+                self.last_error = str(exc)
+                break
+            except LinkErrors as exc:  # this try failed (refused, full, lost again): back off, try again
+                self.last_error = str(exc)
+                continue
+            self._retired += Traffic(reconnects=1, failover_ms=(time.perf_counter() - t0) * 1000.0)
+            log.info("cloud session rebuilt in %.0f ms", (time.perf_counter() - t0) * 1000.0)
+            return
+        log.warning(
+            "no cloud replica took the session in %.1f s; the device finishes the answer", self.reconnect_wait_s
+        )
+
+    def _reconnect(self, messages: list[dict], history: list[int]) -> None:
+        """One try: a new session holding `history` (tokens, or in text mode the answer's text), or raise."""
         assert self._connect is not None
         link = self._connect()
         try:
-            history = self._history()[:]
-            link.open(self.edge, messages, history, self.sampling, self.text_mode)
+            link.open(self.edge, messages, history, self.sampling, self.text_mode, resume=True)
             if link.mode == "text":  # the rebuilt session holds the answer's text so far
                 self.link, self._covered = link, self._prompt_len
                 self._text_sync(history)
-        except (CloudUnavailable, CloudError, CloudRejected) as exc:
+        except BaseException:
             self.link = None
-            log.warning("reconnect failed, continuing on the device: %s", exc)
             link.close_quietly()
             self._retired += link.stats
-            return
+            raise
         self.link = link
         self.last_error = ""
 
@@ -221,24 +255,39 @@ class CloudSession:
     def ask(self, history: list[int], proposed: int, hidden: np.ndarray, lookahead: bool) -> CloudToken | None:
         """The cloud's token for the position after `history` (the device proposed `proposed`), or
         None: the device writes it (a fallback). One round trip; a slow reply is abandoned."""
-        link = self.link
-        assert link is not None
-        try:
-            return link.generate(
+
+        def request(link: CloudLink) -> CloudToken | None:
+            got = link.generate(
                 history[link.cloud_len :], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=lookahead
-            )[0]
-        except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
-            self._slow(link, exc)
-            return None
-        except (*LinkErrors, IndexError) as exc:
-            self.lose(exc)
-            if self.link is None:
+            )
+            return got[0] if got else None
+
+        return self._request(request, rebuild_at=history)
+
+    def _request(self, request: Callable[[CloudLink], T], rebuild_at: list[int] | None = None) -> T | None:
+        """`request` on the link, or None when the cloud could not answer. Where the link is lost,
+        the session fails over (`lose`: rebuilt at `rebuild_at`, default the device's history) and the
+        request is asked again on the new one: the reply lost with the old replica was never applied
+        (the device applies only replies it has), so nothing is applied twice. A slow reply is not a
+        lost link: the request was rolled back and the device goes on (`_slow`)."""
+        asked_again = False
+        while (link := self.link) is not None:
+            t0 = time.perf_counter()
+            try:
+                reply = request(link)
+            except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
+                self._slow(link, exc)
                 return None
-            try:  # reconnected mid-answer: the rebuilt session holds the whole history
-                return self.link.generate([], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=lookahead)[0]
-            except (*LinkErrors, IndexError) as exc2:
-                self.lose(exc2)
-                return None
+            except LinkErrors as exc:
+                self.lose(exc, rebuild_at)  # fails over while this answer has failovers left
+                asked_again = True
+                continue
+            if asked_again:  # what the lost request cost on the new replica: its wait, the history's prefill
+                self._retired += Traffic(
+                    resume_ms=(time.perf_counter() - t0) * 1000.0, resume_prefill_ms=link.stats.background_ms
+                )
+            return reply
+        return None
 
     def _slow(self, link: CloudLink, exc: CloudTimeout) -> None:
         """A request missed its deadline (the link rolled it back and stays): count it, and give
@@ -271,17 +320,12 @@ class CloudSession:
         """The cloud's verdict on `drafts` (after `history`, which it may partly lack), or None.
         Tokens of `history` the cloud lacks are synced first, so only the drafts are judged and
         the verdict's `accepted` counts from the first draft."""
-        link = self.link
-        assert link is not None
-        try:
+
+        def request(link: CloudLink) -> Verdict:
             link.sync(history[link.cloud_len :])
             return link.verify(drafts, check, bonus=bonus, tolerance=tolerance, hidden=hidden)
-        except CloudTimeout as exc:  # slow, not gone: the link rolled the verify back; the drafts stand
-            self._slow(link, exc)
-            return None
-        except LinkErrors as exc:
-            self.lose(exc)
-            return None
+
+        return self._request(request, rebuild_at=history)  # lost: the drafts stand unless a failover re-asks
 
     # ---------------------------------------------------------------- text mode (protocol v3)
 
@@ -319,22 +363,18 @@ class CloudSession:
         on both sides), or None: the device writes the position (a fallback). None also where the
         device's text ends inside a character (the cloud can only be asked on whole characters).
         `lookahead`: ask for the cloud's guess for the next position with the span."""
-        link = self.link
-        assert link is not None and self.answer_text is not None
-        try:
-            answer = self.answer_text.text_of(history[self._prompt_len :])
-            if complete_utf8(answer) != len(answer):
-                return None
+        assert self.answer_text is not None
+        answer = self.answer_text.text_of(history[self._prompt_len :])
+        if complete_utf8(answer) != len(answer):
+            return None
+
+        def request(link: CloudLink) -> CloudText:
             pending = self._pending_text(history)
             return link.text_generate(
                 pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS, lookahead=lookahead
             )
-        except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
-            self._slow(link, exc)
-            return None
-        except LinkErrors as exc:
-            self.lose(exc)
-            return None
+
+        return self._request(request, rebuild_at=history)
 
     def verify_text(
         self,
@@ -349,9 +389,10 @@ class CloudSession:
         `eog`: the last one ends the answer) as text, with the flagged drafts' byte ranges. None:
         the cloud could not answer (lost, slow, or no whole character drafted); the drafts stand.
         The verdict's `byte_position + accepted_bytes` is where the kept answer text ends."""
-        link, view = self.link, self.answer_text
-        assert link is not None and view is not None
-        try:
+        view = self.answer_text
+        assert view is not None
+
+        def request(link: CloudLink) -> TextVerdict | None:
             pending = self._pending_text(history)  # the text the cloud lacks, the drafts' included
             position = len(link.held_text)
             if not pending and not eog:
@@ -379,36 +420,44 @@ class CloudSession:
             if not verdict.text and len(link.held_text) == ends[-1] + position:
                 self._covered = len(history)  # the cloud holds all of it (else the text that follows)
             return verdict
-        except CloudTimeout as exc:  # slow, not gone: the link rolled the check back; the drafts stand
-            self._slow(link, exc)
-            return None
-        except LinkErrors as exc:
-            self.lose(exc)
-            return None
+
+        return self._request(request, rebuild_at=history[:start])  # a failover re-asks from before the drafts
 
     def stream_text(self, history: list[int], max_tokens: int, on_text: Callable[[CloudText], bool]) -> bool:
         """Text mode, policy cloud: the cloud writes up to `max_tokens` of its tokens after
-        `history`, streamed to `on_text` (False: stop listening). False when the cloud was lost."""
-        link = self.link
-        assert link is not None
-        try:
-            pending = self._pending_text(history)
-            link.text_generate(pending, max_tokens=max_tokens, at_word=False, on_text=on_text)
+        `history`, streamed to `on_text` (False: stop listening). False when the cloud was lost.
+        After a failover the stream goes on from what the device took (the rest of `max_tokens`)."""
+        got = 0
+
+        def counted(piece: CloudText) -> bool:
+            nonlocal got
+            got += piece.n_tokens
+            return on_text(piece)
+
+        def request(link: CloudLink) -> bool:
+            now = history if got == 0 else self._history()
+            link.text_generate(self._pending_text(now), max_tokens=max_tokens - got, at_word=False, on_text=counted)
             return True
-        except LinkErrors as exc:
-            self.lose(exc)
-            return False
+
+        return self._request(request) is not None
 
     def stream(
         self, history: list[int], max_tokens: int, on_token: Callable[[CloudToken], bool], proposed: int = -1
     ) -> bool:
         """The cloud writes up to `max_tokens` tokens after `history`, streamed to `on_token`
-        (which may return False to stop listening). False when the cloud was lost."""
-        link = self.link
-        assert link is not None
-        try:
-            link.generate(history[link.cloud_len :], proposed=proposed, max_tokens=max_tokens, on_token=on_token)
+        (which may return False to stop listening). False when the cloud was lost. After a
+        failover the stream goes on from what the device took (the rest of `max_tokens`)."""
+        got = 0
+
+        def counted(tok: CloudToken) -> bool:
+            nonlocal got
+            got += 1
+            return on_token(tok)
+
+        def request(link: CloudLink) -> bool:
+            now = history if got == 0 else self._history()
+            first = proposed if got == 0 else -1
+            link.generate(now[link.cloud_len :], proposed=first, max_tokens=max_tokens - got, on_token=counted)
             return True
-        except LinkErrors as exc:
-            self.lose(exc)
-            return False
+
+        return self._request(request) is not None

@@ -95,7 +95,13 @@ class RoutedGenerator:
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
         self.answer_text = AnswerText.for_model(edge)  # text mode: the answer as this model tokenizes it
         self.cloud = CloudSession(
-            connect, edge.info, opts.sampling(), text_mode=opts.text_mode, answer_text=self.answer_text
+            connect,
+            edge.info,
+            opts.sampling(),
+            text_mode=opts.text_mode,
+            reconnects=opts.reconnects,
+            reconnect_wait_s=opts.reconnect_wait_s,
+            answer_text=self.answer_text,
         )
         self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
         self.overruled = OverruledShare()  # running share of tokens the check overruled (the router targets the rest)
@@ -118,6 +124,7 @@ class RoutedGenerator:
             if policy is not None:
                 self.policy = policy
             self.opts = opts
+            self.cloud.reconnect_mid_answer, self.cloud.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
             self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
 

@@ -48,6 +48,12 @@ class GeneratorOptions:
     seed: int = 0
     sync_every: int = SYNC_EVERY  # send device tokens eagerly after this many (0 = only with hard tokens)
     cloud_timeout_s: float = 2.0
+    # Failover (docs/server.md): a cloud lost mid-answer (its replica died, drained or was scaled in) is
+    # reconnected through the same URL, the session rebuilt from the device's history and the request in
+    # flight asked again; at most `reconnects` times an answer, each trying for `reconnect_wait_s`
+    # (jittered backoff, edge_client/reconnect.py) while the answer waits. 0: finish on the device.
+    reconnects: int = 2
+    reconnect_wait_s: float = 1.0
     # After each hard token the cloud sends its guess for the next position; there the device
     # takes it (no round trip, no router) where its own token is over lookahead_nats worse to
     # the cloud (docs/architecture.md, "lookahead"). These cloud tokens come on top of the
@@ -107,5 +113,9 @@ class GeneratorOptions:
             if self.cloud != "local":
                 raise ValueError("cloud_cpus (--cloud-cpus) pins a loopback server: it needs cloud 'local'")
             parse_cpus(self.cloud_cpus)
+        if self.reconnects < 0:
+            raise ValueError(f"reconnects (--reconnects) must be >= 0, not {self.reconnects}")
+        if not 0 <= self.reconnect_wait_s < float("inf"):
+            raise ValueError(f"--reconnect-wait must be a number of seconds >= 0, not {self.reconnect_wait_s}")
         if not 0 <= self.cloud_timeout_s < float("inf"):
             raise ValueError(f"--cloud-timeout must be a number of seconds >= 0, not {self.cloud_timeout_s}")

@@ -67,6 +67,18 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for a hard token before finishing on the device",
     )
     p.add_argument(
+        "--reconnects",
+        type=int,
+        default=D.reconnects,
+        help="failovers per answer when the cloud replica is lost mid-answer (0: finish on the device)",
+    )
+    p.add_argument(
+        "--reconnect-wait",
+        type=float,
+        default=D.reconnect_wait_s,
+        help="seconds one failover may try (jittered backoff) before the device finishes alone",
+    )
+    p.add_argument(
         "--no-lookahead", action="store_true", help="do not use the cloud's guess for the token after each cloud token"
     )
     p.add_argument(
@@ -128,6 +140,8 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         seed=args.seed,
         sync_every=args.sync_every,
         cloud_timeout_s=args.cloud_timeout,
+        reconnects=args.reconnects,
+        reconnect_wait_s=args.reconnect_wait,
         lookahead=not args.no_lookahead,
         lookahead_nats=args.lookahead_nats,
         check=args.check,

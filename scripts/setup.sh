@@ -18,6 +18,8 @@ command -v sox >/dev/null 2>&1 || need_pkgs+=(sox)
 dpkg -s fonts-wqy-microhei >/dev/null 2>&1 || need_pkgs+=(fonts-wqy-microhei)
 # a second kind of voice for the turn-taking tests and the pause benchmark (tests/turn_audio.py)
 command -v espeak-ng >/dev/null 2>&1 || need_pkgs+=(espeak-ng)
+# the load balancer in front of several cloud replicas in the failover tests (tests/balancer.py)
+dpkg -s haproxy >/dev/null 2>&1 || need_pkgs+=(haproxy)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing system packages: ${need_pkgs[*]}"

@@ -161,6 +161,9 @@ class Hello:
     # v3: TEXT_MODES, whether the device can share the answer as text. Absent (a v2 device): never; a device
     # asks what its options say (GeneratorOptions.text_mode, the one default: "auto")
     text_mode: str = "never"
+    # v3: this session rebuilds one the device lost mid-answer (its replica died or drained: a failover);
+    # its prompt is then followed by the answer so far. Counted in metrics; an older server ignores it
+    resume: bool = False
 
 
 @dataclass(slots=True)

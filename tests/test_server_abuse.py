@@ -5,7 +5,7 @@ clean close, `/healthz` back to 0 sessions, nothing written outside the record d
 resource-abuse tests: a client that never reads, KV churn over few KV slots, verifies of hundreds of
 drafts and long text, each beside an honest device (the product's generator, as `tokenrouter-edge
 ask --seed 7` runs it) whose answer must be token for token the one it gives alone, not degraded,
-and not much slower (docs/server.md, "What the server promises under hostile input").
+and not much slower (docs/security.md).
 
 Real parts throughout: `tokenrouter-cloud serve` child processes with production flags (keys with
 quotas, record dir, audit dir, a small split KV budget), real WebSockets, the bundled models.

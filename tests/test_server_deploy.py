@@ -153,6 +153,7 @@ def test_chart_renders_deployment_service_hpa_and_secret():
     args = serve_args(c["args"])
     assert args.api_keys == "/etc/tokenrouter/api-keys" and args.kv_layout == "split" and args.log_format == "json"
     assert args.key_max_sessions == 8 and args.key_tokens_per_minute == 6000 and args.key_max_cloud_fraction == 0.6
+    assert 0 < args.drain_timeout_s < pod["terminationGracePeriodSeconds"], "a drain must end before the pod is killed"
     keys_volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
     assert keys_volume["secret"]["secretName"] == sec["metadata"]["name"]
     assert any(m["mountPath"] == "/etc/tokenrouter" and m["readOnly"] for m in c["volumeMounts"])

@@ -1,4 +1,4 @@
-"""What the server promises under hostile input (issue 16; docs/server.md, "hostile input").
+"""What the server promises under hostile input (issue 16; docs/security.md).
 
 One session can never hurt another, and no client input reaches `internal`: bad values are
 named errors at the protocol's edge, honest sessions' answers do not change while a hostile
