@@ -20,7 +20,7 @@ import soundfile as sf
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from edge_client.answer import Answer
+from edge_client.answer import Answer, Traffic
 from edge_client.cli import build_parser
 from edge_client.options import GeneratorOptions
 from edge_client.voice.audio_io import Frame
@@ -383,6 +383,12 @@ def test_the_cloud_share_is_shown_against_its_target_with_the_reasons_an_answer_
     c = log.add(_done("q", "a", n_tokens=30, n_cloud=0, degraded=True), s)["cloud_share"]
     assert "the device wrote the rest" in c["why"][0]
     assert log.add(_done("q", "a", n_cloud=0), AppSettings(cloud="none"))["cloud_share"]["target"] == 0.0
+    moved = _done("q", "a", n_tokens=30, n_cloud=9, traffic=Traffic(reconnects=1, failover_ms=40.0, resume_ms=300.0))
+    rec = log.add(moved, s)  # a failover: the cloud's replica went away and another took the session
+    assert rec["answer"]["reconnects"] == 1 and rec["answer"]["failover_ms"] == 340.0
+    assert rec["cloud_share"]["why"] == [
+        "the cloud's server changed mid-answer: the session moved, at a cost of 340 ms"
+    ]
 
 
 def test_a_finished_answer_says_when_it_was_cut_at_the_limit():
