@@ -19,8 +19,9 @@ from edge_client.options import GeneratorOptions
 @contextlib.contextmanager
 def loopback_cloud(opts: GeneratorOptions) -> Iterator[Callable[[], CloudLink] | None]:
     """Yields how to connect to the cloud `opts` names: a server started here on loopback
-    (`local`, stopped on exit), a remote URL, or None (`none`, or policy `edge`)."""
-    if opts.cloud == "none" or (opts.cloud == "local" and opts.policy == "edge"):
+    (`local`, stopped on exit), a remote URL, or None (`none`, or the device alone: policy `edge` or a
+    cloud share of 0, shared/policy.py)."""
+    if opts.cloud == "none" or (opts.cloud == "local" and opts.policy_config().device_alone):
         yield None
         return
     if opts.cloud != "local":

@@ -79,6 +79,12 @@ class PolicyConfig:
     warmup: int = 0
     hysteresis: float = 0.0
 
+    @property
+    def device_alone(self) -> bool:
+        """Policy edge, or a router asked for a cloud share of 0: the device answers alone, with no cloud
+        traffic at all (no check, no lookahead guess, no session). The one place this rule lives."""
+        return self.mode == "edge" or (self.mode == "router" and self.cloud_fraction == 0)
+
 
 class RoutingPolicy:
     """Per-position decision for one device; reset with `start_answer` for each answer."""
@@ -92,9 +98,9 @@ class RoutingPolicy:
         if config.hysteresis < 0 or config.warmup < 0:
             raise ValueError("warm-up and hysteresis must be >= 0")
         self.config = config
-        self.mode = config.mode
+        self.mode = "edge" if config.device_alone else config.mode
         self.calibrator: ScoreCalibrator | None = None
-        if config.mode == "router" and config.cloud_fraction is not None:
+        if self.mode == "router" and config.cloud_fraction is not None:
             self.calibrator = ScoreCalibrator(
                 config.cloud_fraction, initial_threshold=config.threshold or 0.5, prior=prior
             )

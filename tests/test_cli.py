@@ -99,6 +99,16 @@ def test_ask_with_the_clouds_check():
     assert bad.returncode != 0 and "--check-nats" in bad.stderr
 
 
+def test_a_cloud_share_of_zero_sends_nothing_up():
+    """`--cloud-fraction 0` with every other default (the check, lookahead, a local cloud): the device answers
+    alone: no round trip, no byte, no cloud token, not degraded (no server was needed, none was started)."""
+    p = run("ask", "what is the capital of france", "--json", "--max-tokens", "12", "--cloud-fraction", "0")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["round_trips"] == 0 and out["bytes_up"] == 0 and out["n_cloud_tokens"] == 0, out
+    assert not out["degraded"] and out["n_tokens"] > 0 and out["policy"] == "edge"
+
+
 def test_human_output_marks_cloud_tokens():
     p = run("ask", "what is the capital of france", "--max-tokens", "12", "--threshold", "0.0")
     assert p.returncode == 0, p.stderr

@@ -70,6 +70,15 @@ def test_calibrator_reaches_the_target_fraction():
     assert fixed.threshold == 0.4
 
 
+def test_a_cloud_share_of_zero_is_the_device_alone():
+    """A router asked for 0 % cloud tokens sends nothing up at all (no check, no guess, no session): its
+    policy is the device's. Any other share, or a fixed threshold, keeps the router."""
+    assert RoutingPolicy(PolicyConfig("router", cloud_fraction=0.0)).mode == "edge"
+    assert PolicyConfig("edge").device_alone and not PolicyConfig("cloud", cloud_fraction=0.0).device_alone
+    assert RoutingPolicy(PolicyConfig("router", cloud_fraction=0.01)).mode == "router"
+    assert RoutingPolicy(PolicyConfig("router", threshold=1.0)).mode == "router"
+
+
 def test_routing_log_is_two_bytes_per_token_and_exports_jsonl():
     log = routing_log.RoutingLog(edge_model="sha256:e", cloud_model="sha256:c", start_position=30)
     log.append("edge", 0.1)

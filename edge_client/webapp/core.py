@@ -26,6 +26,7 @@ from edge_client.voice.pipeline import Engines, VoiceOptions
 from edge_client.voice.tts import Synthesizer
 from models.registry import model_info
 from shared.llama_backend import LlamaModel
+from shared.policy import PolicyConfig
 
 from .conversation import TurnLog
 from .settings import AppSettings, SettingsStore
@@ -179,12 +180,12 @@ class AppCore:
         self.gen.reconfigure(check=s.check, cloud_fraction=s.cloud_fraction, threshold=0.5, policy=self._policy_for(s))
 
     def _policy_for(self, s: AppSettings) -> str:
-        """No cloud, or a cloud share of 0 %: the device answers alone (not even the check goes up)."""
-        return "edge" if self.device_only(s) else self.base_policy
+        """No cloud: the device answers alone (a share of 0 % is the policy's own rule: shared/policy.py)."""
+        return "edge" if s.cloud == "none" else self.base_policy
 
-    @staticmethod
-    def device_only(s: AppSettings) -> bool:
-        return s.cloud == "none" or s.cloud_fraction == 0
+    def device_only(self, s: AppSettings) -> bool:
+        """The device answers alone: no cloud, or the policy's rule (a cloud share of 0 %)."""
+        return s.cloud == "none" or PolicyConfig(self.base_policy, cloud_fraction=s.cloud_fraction).device_alone
 
     @staticmethod
     def _length_scale(pace: float) -> float | None:
