@@ -1,6 +1,7 @@
 """The FastAPI application: the WebSocket endpoint plus health, info and metrics routes.
 
-    GET  /healthz   liveness: {"status": "ok", "sessions": N}
+    GET  /healthz   liveness: {"status": "ok" or "draining", "sessions": N}, 200 while the process serves
+    GET  /readyz    readiness: 200 while it takes new sessions; 503 draining or full (a balancer sends none)
     GET  /v1/info   model name, fingerprints, protocol version, limits
     GET  /metrics   Prometheus text format (cloud_server/metrics.py)
     WS   /v1/route  the routing protocol (shared/protocol.py, docs/protocol.md)
@@ -148,11 +149,24 @@ def create_app(config: ServerConfig) -> FastAPI:
     drain = app.state.drain = Drain()
 
     @app.get("/healthz")
-    async def healthz() -> Response:
-        """200 while serving; 503 while draining, so a balancer or Kubernetes sends no new sessions here."""
-        status = "draining" if drain.draining else "ok"
-        body = json.dumps({"status": status, "sessions": worker.engine.n_sessions})
-        return Response(body, status_code=503 if drain.draining else 200, media_type="application/json")
+    async def healthz() -> dict:
+        """Liveness: 200 while the process serves, draining too (a failed liveness would kill a drain)."""
+        return {"status": "draining" if drain.draining else "ok", "sessions": worker.engine.n_sessions}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Readiness: 503 while draining or full, so a balancer (or Kubernetes) sends new sessions to
+        another replica; the sessions here go on."""
+        n = worker.engine.n_sessions
+        why = (
+            "draining"
+            if drain.draining
+            else f"full: {n} of {config.max_sessions} sessions"
+            if n >= config.max_sessions
+            else ""
+        )
+        body = json.dumps({"ready": not why, "why": why, "sessions": n})
+        return Response(body, status_code=503 if why else 200, media_type="application/json")
 
     @app.get("/v1/info")
     async def server_info() -> dict:

@@ -1,7 +1,7 @@
 """Draining: how a replica leaves (a rolling update, a scale-in) without cutting a reply in half.
 
 On SIGTERM the server stops listening at once (a balancer's next connection is
-refused, and redispatched to another replica; its health check fails), lets
+refused, and redispatched to another replica; its readiness check fails), lets
 each session finish the request it is serving, then closes that connection
 with 1001 "going away". Connections waiting for their device's next message
 are closed at once. The device fails over: it rebuilds its session on another
@@ -100,7 +100,7 @@ class DrainingServer(uvicorn.Server):
         if sig != signal.SIGTERM or self.drain.draining or self.timeout_s <= 0 or self._loop is None:
             super().handle_exit(sig, frame)
             return
-        self.drain.draining = True  # /healthz says so from now on
+        self.drain.draining = True  # /readyz says 503 from now on
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:

@@ -5,8 +5,8 @@ the balancer's one URL, and a replica can be killed (SIGKILL, a crash),
 drained (SIGTERM, a rolling update) or scaled in (taken out of the balancer,
 then SIGTERM, as Kubernetes retires a pod). The HAProxy configuration is
 `haproxy_config`, the one docs/server.md shows ("Failover"): WebSocket over
-HTTP mode, health checks on /healthz (a draining replica answers 503, then
-stops listening), client-IP affinity as the Helm chart's
+HTTP mode, health checks on /readyz (a draining or full replica answers 503;
+a draining one then stops listening), client-IP affinity as the Helm chart's
 `sessionAffinity: ClientIP`, and connection failures redispatched to another
 replica, so a session whose replica died is rebuilt elsewhere at once.
 
@@ -21,7 +21,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -52,7 +51,7 @@ frontend route
 backend replicas
     balance source                # client-IP affinity, as the Helm chart's sessionAffinity: ClientIP
     hash-type consistent          # a replica's death moves only its own clients
-    option httpchk GET /healthz   # 503 while draining
+    option httpchk GET /readyz    # 503 while draining or full: no new sessions there
     http-check expect status 200
     default-server inter 500ms fall 2 rise 2
 {servers}
@@ -131,7 +130,8 @@ class LocalFleet:
         return b"".join(chunks).decode()
 
     def up(self) -> list[int]:
-        """The replicas the balancer sends new sessions to (health checks passing, not in maintenance)."""
+        """The replicas the balancer sends new sessions to: UP, or "UP 1/2" (a check failed, not yet enough
+        to take it out); not DOWN, not in maintenance."""
         try:
             stat = self.admin("show stat")
         except OSError:
@@ -139,7 +139,7 @@ class LocalFleet:
         out = []
         for line in stat.splitlines():
             cols = line.split(",")
-            if len(cols) > 17 and cols[0] == "replicas" and cols[1].startswith("r") and cols[17] == "UP":
+            if len(cols) > 17 and cols[0] == "replicas" and cols[1].startswith("r") and cols[17].startswith("UP"):
                 out.append(int(cols[1][1:]))
         return out
 
@@ -148,8 +148,6 @@ class LocalFleet:
         try:
             with urllib.request.urlopen(self.replicas[i].http_url + "/healthz", timeout=2) as resp:
                 return int(json.loads(resp.read())["sessions"])
-        except urllib.error.HTTPError as exc:  # 503 while draining: the body still counts them
-            return int(json.loads(exc.read())["sessions"])
         except OSError:
             return 0
 

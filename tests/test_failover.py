@@ -12,9 +12,12 @@ tests/helpers.py, `agree_up_to_a_tie`).
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from websockets.exceptions import ConnectionClosed
@@ -28,7 +31,7 @@ from edge_client.reconnect import Backoff
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.protocol import Generate, Tokens, decode, encode
 from tests.conftest import chat
-from tests.helpers import agree_up_to_a_tie, hello, metric
+from tests.helpers import agree_up_to_a_tie, hello, metric, wait_for
 
 QUESTION = chat("Tell me about the history of Rome.")
 needs_haproxy = pytest.mark.skipif(find_haproxy() is None, reason="haproxy is not installed (scripts/setup.sh)")
@@ -47,15 +50,15 @@ def test_backoff_waits_are_jittered_doubling_and_capped():
 
 
 def test_drain_finishes_the_reply_then_closes_going_away(cloud_info):
-    """SIGTERM while a session streams a reply: /healthz says 503 at once (on a connection already
-    open), no new connection is taken, the reply in flight arrives whole, then the connection is
+    """SIGTERM while a session streams a reply: /readyz says 503 at once (on a connection already
+    open; /healthz, the liveness, stays 200), no new connection is taken, the reply in flight arrives whole, then the connection is
     closed 1001 "going away" and the server exits by itself."""
     server = LocalCloudServer(model=DEFAULT_CLOUD_MODEL).start()
     try:
         probe = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
-        probe.request("GET", "/healthz")
+        probe.request("GET", "/readyz")
         ok = probe.getresponse()
-        assert ok.status == 200 and b'"ok"' in ok.read()
+        assert ok.status == 200 and b'"ready": true' in ok.read()
         with connect(server.url, open_timeout=10) as ws:
             ws.send(encode(hello(cloud_info, server.api_key, "tell me about the moon")))
             n = decode(ws.recv(timeout=30)).n_prompt
@@ -63,9 +66,12 @@ def test_drain_finishes_the_reply_then_closes_going_away(cloud_info):
             first = decode(ws.recv(timeout=30))
             assert isinstance(first, Tokens) and not first.final
             server.terminate()
-            probe.request("GET", "/healthz")
+            probe.request("GET", "/readyz")
             answer = probe.getresponse()
             assert answer.status == 503 and b"draining" in answer.read()
+            probe.request("GET", "/healthz")
+            alive = probe.getresponse()
+            assert alive.status == 200 and b"draining" in alive.read()
             got = list(first.ids)
             while True:
                 msg = decode(ws.recv(timeout=30))
@@ -167,13 +173,42 @@ def test_a_reply_lost_in_flight_is_asked_again(fleet, cloud_info, text_mode):
     assert agree_up_to_a_tie(cloud_info, QUESTION, a.tokens, undisturbed.tokens), (a.text, undisturbed.text)
 
 
+def _ready(server: LocalCloudServer) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(server.http_url + "/readyz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@needs_haproxy
+def test_a_full_replica_leaves_the_balancer_and_new_sessions_go_elsewhere():
+    """Replicas of one session each: once a device holds one, its /readyz says 503 "full", the balancer
+    stops sending it new sessions, and the next device's session opens on the other replica (not
+    refused, not degraded); when the first device leaves, the replica is ready again."""
+    with LocalFleet(2, model=DEFAULT_CLOUD_MODEL, extra_args=["--max-sessions", "1"]) as fleet:
+        opts = GeneratorOptions(edge_model=DEFAULT_CLOUD_MODEL, cloud=fleet.url, api_key=fleet.api_key, max_tokens=8)
+        with open_generator(opts) as first:
+            assert not first.generate(QUESTION).degraded and first.link is not None
+            held = fleet.holder()
+            status, body = _ready(fleet.replicas[held])
+            assert status == 503 and body["why"].startswith("full"), body
+            assert wait_for(lambda: fleet.up() == [1 - held], 10), fleet.up()  # the balancer's checks take the full replica out
+            with open_generator(opts) as second:
+                a = second.generate(QUESTION)
+                assert not a.degraded, a.degraded_reason
+                assert fleet.sessions(1 - held) == 1 and fleet.sessions(held) == 1
+        assert _ready(fleet.replicas[held])[0] == 200
+        fleet.wait_up(2)
+
+
 def test_fleet_config_names_what_the_docs_say():
-    """The balancer the tests run is the one docs/server.md shows: health checks on /healthz, client-IP
+    """The balancer the tests run is the one docs/server.md shows: health checks on /readyz, client-IP
     affinity, redispatch of refused connections, and a tunnel timeout for WebSockets."""
     from cloud_server.local_fleet import haproxy_config
     from tests.conftest import ROOT
 
     cfg = haproxy_config(8000, [8001, 8002], "/tmp/admin.sock")
     doc = (ROOT / "docs" / "server.md").read_text()
-    for line in ("option httpchk GET /healthz", "balance source", "option redispatch 1", "timeout tunnel"):
+    for line in ("option httpchk GET /readyz", "balance source", "option redispatch 1", "timeout tunnel"):
         assert line in cfg and line in doc, line

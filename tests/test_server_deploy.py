@@ -147,8 +147,8 @@ def test_chart_renders_deployment_service_hpa_and_secret():
     dep, svc, hpa, sec = docs["Deployment"], docs["Service"], docs["HorizontalPodAutoscaler"], docs["Secret"]
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-        assert c[probe]["httpGet"]["path"] == "/healthz" and c[probe]["httpGet"]["port"] == "ws"
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+        assert c[probe]["httpGet"]["path"] == path and c[probe]["httpGet"]["port"] == "ws"
     assert c["ports"][0] == {"name": "ws", "containerPort": 8765, "protocol": "TCP"}
     args = serve_args(c["args"])
     assert args.api_keys == "/etc/tokenrouter/api-keys" and args.kv_layout == "split" and args.log_format == "json"
