@@ -193,7 +193,9 @@ def test_a_full_replica_leaves_the_balancer_and_new_sessions_go_elsewhere():
             held = fleet.holder()
             status, body = _ready(fleet.replicas[held])
             assert status == 503 and body["why"].startswith("full"), body
-            assert wait_for(lambda: fleet.up() == [1 - held], 10), fleet.up()  # the balancer's checks take the full replica out
+            assert wait_for(lambda: fleet.up() == [1 - held], 10), (
+                fleet.up()
+            )  # the balancer's checks take the full replica out
             with open_generator(opts) as second:
                 a = second.generate(QUESTION)
                 assert not a.degraded, a.degraded_reason
