@@ -1,6 +1,7 @@
 """`tokenrouter-replay`: replay sessions against device and cloud under an emulated network.
 
     tokenrouter-replay --profile lte --policies edge,cloud,router-sync,router-verify --limit 30 --out DIR [--json]
+    tokenrouter-replay simulate --traces DIR --fleet 12000     (the fleet simulator: fleet_cli.py)
 
 The cloud server runs on loopback in a child process; the device talks to it
 only through the network emulator. Policies are interleaved session by
@@ -27,11 +28,13 @@ from edge_client.cloud_link import CloudLink
 from edge_client.local_cloud import loopback_server
 from edge_client.options import GeneratorOptions
 from edge_client.replay.audio import AudioReplayer, GeneratorAdapter, voice_unavailable
+from edge_client.replay.fleet_cli import main as simulate_main
 from edge_client.replay.metrics import CloudScorer, rouge_l
 from edge_client.replay.netem import PROFILES, NetemProxy, get_profile
 from edge_client.replay.policies import DEFAULT_POLICIES, Runner, parse_policies, replay_defaults
 from edge_client.replay.report import json_summary, machine_info, markdown, write_report
 from edge_client.replay.sessions import Session, SessionError, load_sessions
+from edge_client.replay.traces import traces_from_rows, write_traces
 from models.registry import model_info
 from shared.cpus import parse_cpus, pin_to_cpus
 from shared.llama_backend import LlamaModel
@@ -295,6 +298,7 @@ def report_only(args: argparse.Namespace) -> dict:
     names = [s.name for s in parse_policies(config["policies"])]
     meta["sessions"] = len({r["session"] for r in rows})
     meta["turns"] = len([r for r in rows if r["policy"] == names[0]])
+    write_traces(args.out / "traces.jsonl", traces_from_rows(rows))
     return write_report(rows, names, meta, args.out, make_plots=not args.no_plots)
 
 
@@ -396,6 +400,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = [r for r in rows if r["session"] in wanted]
     meta["sessions"] = len({r["session"] for r in rows})
     meta["turns"] = len([r for r in rows if r["policy"] == specs[0].name])
+    write_traces(args.out / "traces.jsonl", traces_from_rows(rows))  # for `tokenrouter-replay simulate`
     return write_report(rows, [s.name for s in specs], meta, args.out, make_plots=not args.no_plots)
 
 
@@ -414,6 +419,9 @@ def _progress(total: int, quiet: bool) -> Iterator:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:
+        return simulate_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
