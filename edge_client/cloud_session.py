@@ -2,10 +2,11 @@
 
 The token path (edge_client/strategies.py) asks the cloud through this one
 object and never handles a network error itself: every call here returns
-None (or False) when the cloud could not answer, after dropping the link
-where it is lost. The answer then continues on the device and is marked
-degraded; the next answer reconnects and rebuilds the session from the
-device's history. A slow cloud is not a lost cloud: a hard token that misses
+None (or False) when the cloud could not answer. A lost link first fails
+over (`lose`): a new session through the same URL, rebuilt from the device's
+history, and the request in flight asked again (`_request`); where that fails
+the answer continues on the device and is marked degraded, and the next
+answer reconnects and rebuilds the session from the device's history. A slow cloud is not a lost cloud: a hard token that misses
 its deadline is written by the device, a clause whose check misses it stands
 as drafted, and the link rolls the abandoned request back and stays
 (docs/architecture.md, "Failure and fallback").
