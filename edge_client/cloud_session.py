@@ -138,12 +138,16 @@ class CloudSession:
                 self.retire()  # closed after an interrupted stream, or lost
             if self.link is not None and self.link.mode == "text" and self.link.messages != messages:
                 self.retire()  # text mode: each side renders the chat itself, so a new chat is a new session
-            if self.link is not None and self.link.mode == "text":
-                if self.link.held_text:
-                    self.link.text_rollback(0)  # the same chat answered again
-            elif self.link is not None:
-                self.link.resync(prompt)
-            else:
+            if self.link is not None:
+                try:
+                    if self.link.mode == "text":
+                        if self.link.held_text:
+                            self.link.text_rollback(0)  # the same chat answered again
+                    else:
+                        self.link.resync(prompt)
+                except CloudUnavailable:  # gone between answers (a drain closes idle sessions): open anew
+                    self.retire()
+            if self.link is None:
                 link = self._connect()
                 try:
                     link.open(self.edge, messages, prompt, self.sampling, self.text_mode)

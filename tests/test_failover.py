@@ -144,6 +144,25 @@ def test_a_session_survives_its_replica(fleet, cloud_info, disturb):
 
 
 @needs_haproxy
+@pytest.mark.parametrize("disturb", ["kill", "drain"])
+def test_a_replica_lost_between_answers_costs_the_next_answer_nothing(fleet, disturb):
+    """The device keeps its session between answers; its replica dies or drains meanwhile (a drain closes
+    an idle session at once). The next answer opens a new session through the balancer at its start: not
+    degraded, and no failover needed (nothing was in flight)."""
+    opts = GeneratorOptions(edge_model=DEFAULT_CLOUD_MODEL, cloud=fleet.url, api_key=fleet.api_key, max_tokens=16)
+    with open_generator(opts) as gen:
+        first = gen.generate(QUESTION)
+        assert not first.degraded and gen.link is not None
+        victim = fleet.holder()
+        getattr(fleet, disturb)(victim)
+        assert fleet.replicas[victim].wait(15) is not None
+        second = gen.generate(chat("And of Athens?"))
+        assert not second.degraded, second.degraded_reason
+        assert second.n_cloud_tokens > 0 and second.traffic.reconnects == 0
+        assert fleet.sessions(1 - victim) == 1
+
+
+@needs_haproxy
 @pytest.mark.kernel
 @pytest.mark.parametrize("text_mode", ["never", "always"])
 def test_a_reply_lost_in_flight_is_asked_again(fleet, cloud_info, text_mode):
