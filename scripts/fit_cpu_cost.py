@@ -11,6 +11,8 @@ Two measurements, neither of them `scripts/loadtest.py` (which the fit is valida
 2. **What a round trip costs besides the step.** A real `tokenrouter-cloud` server on loopback,
    one WebSocket session, closed loop (no think time): the median hard-token latency minus the
    step time of one item is the per-request overhead (framing, JSON, two event loops, loopback).
+   Then the same after a fixed idle gap (5 and 50 ms, not loadtest's think times): a request that
+   finds the server idle long enough pays its threads' wake-up, each such excess kept (`wake_ms`).
 
 Writes a JSON preset for `edge_client.replay.fleet.CostModel.from_json` (the fitted curve, the
 overhead, the machine and the date), which `tokenrouter-replay simulate --cost FILE` reads.
@@ -67,8 +69,9 @@ def time_steps(engine: CloudEngine, batch: int, steps: int, edge_tokens: int, rn
             engine.close(h)
 
 
-async def closed_loop_ms(url: str, key: str, n: int, edge_tokens: int) -> list[float]:
-    """Hard-token round trips of one session on a real server, no think time."""
+async def closed_loop_ms(url: str, key: str, n: int, edge_tokens: int, idle_ms: float = 0.0) -> list[float]:
+    """Hard-token round trips of one session on a real server, no think time (or a fixed `idle_ms` before
+    each request: what a request pays when it finds the server idle)."""
     from websockets.asyncio.client import connect
 
     from shared.protocol import PROTOCOL_VERSION, Accept, Generate, Hello, Rollback, Tokens, decode, encode
@@ -97,6 +100,8 @@ async def closed_loop_ms(url: str, key: str, n: int, edge_tokens: int) -> list[f
                 await ws.send(encode(Rollback(position=n_prompt)))
                 pos = n_prompt
             mine = [rng.randrange(100, 40000) for _ in range(edge_tokens)]
+            if idle_ms:
+                await asyncio.sleep(idle_ms / 1000.0)
             t0 = time.perf_counter()
             await ws.send(encode(Generate(request_id=rid, position=pos, tokens=mine)))
             while not isinstance(msg := decode(await ws.recv()), Tokens):
@@ -106,12 +111,28 @@ async def closed_loop_ms(url: str, key: str, n: int, edge_tokens: int) -> list[f
         return out[10:]  # the first requests warm caches
 
 
-def measure_overhead(model: str, n: int, edge_tokens: int) -> list[float]:
+IDLE_MS = (5.0, 50.0)  # the idle gaps measured: one short (no wake-up cost here), one long
+
+
+def measure_overhead(model: str, n: int, edge_tokens: int) -> tuple[list[float], dict[float, list[float]]]:
+    """Closed-loop round trips, and round trips after each of IDLE_MS of idle (not loadtest's think times)."""
     from cloud_server.local import LocalCloudServer
 
     extra = ["--threads", "1", "--kv-layout", "split", "--max-messages-per-s", "100000", "--max-sessions", "8"]
     with LocalCloudServer(model=model, extra_args=extra) as server:
-        return asyncio.run(closed_loop_ms(server.url, server.api_key, n, edge_tokens))
+        closed = asyncio.run(closed_loop_ms(server.url, server.api_key, n, edge_tokens))
+        idle = {g: asyncio.run(closed_loop_ms(server.url, server.api_key, n, edge_tokens, g)) for g in IDLE_MS}
+    return closed, idle
+
+
+def wake_cost(closed: list[float], idle: dict[float, list[float]]) -> tuple[float, list[float]]:
+    """(wake_after_ms, wake_ms): what a round trip after a long idle pays over the closed loop's median,
+    each request's excess; paid past the midpoint of the shortest gap with no excess at p95 and the long one."""
+    base = statistics.median(closed)
+    short, long_ = IDLE_MS
+    excess = sorted(round(max(0.0, r - base), 2) for r in idle[long_])
+    after = (short + long_) / 2 if _p95(idle[short]) <= _p95(closed) * 1.1 else short
+    return after, excess
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"batch {b:3d}: step p50 {statistics.median(ms):7.2f} ms", file=sys.stderr)
     finally:
         engine.close_all()
-    rt = measure_overhead(args.model, args.round_trips, args.edge_tokens)
+    rt, idle = measure_overhead(args.model, args.round_trips, args.edge_tokens)
+    wake_after, wake = wake_cost(rt, idle)
+    for g, r in idle.items():
+        print(f"after {g:.0f} ms idle: p50 {statistics.median(r):.2f} ms, p95 {_p95(r):.2f} ms", file=sys.stderr)
     overhead = max(statistics.median(rt) - points[0][1], 0.0)
     overhead_p95 = max(_p95(rt) - one_p95, overhead)  # what the round trip's tail adds to the step's
     print(
@@ -165,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         # lognormal spread of a step's time: the median of ln(p95/p50) over batch sizes, / 1.645
         "step_sigma": round(statistics.median(spreads) / 1.645, 4),
         "overhead_sigma": round(math.log(max(overhead_p95, 1e-3) / max(overhead, 1e-3)) / 1.645, 4),
+        "wake_after_ms": wake_after,
+        "wake_ms": wake,
         "source": f"scripts/fit_cpu_cost.py on {date.today().isoformat()}: CloudEngine.step medians "
         f"({args.steps} steps per batch, {args.edge_tokens}+1 tokens per item); overhead = closed-loop "
         f"round trip p50 minus the 1-item step; load avg {os.getloadavg()[0]:.2f} at the end",

@@ -112,6 +112,18 @@ def test_loadtest_workload_under_a_fitted_curve():
     assert many.summary()["mean_batch"] > 2
 
 
+def test_a_request_that_finds_the_replica_idle_pays_its_wake_up_and_a_busy_replica_does_not():
+    """The wake-up cost (fitted on a CPU: threads that slept) goes to a request arriving after at least
+    `wake_after_ms` of idle, never to one that finds the replica busy or idle for less."""
+    woken = replace(FLAT, wake_after_ms=20.0, wake_ms=(5.0,))
+    opts = SimOptions(streams=1, duration_s=10.0, warmup_s=1.0, rtt_ms=0.0)
+    idle_long = simulate(woken, [routed(device_ms=300.0)], opts)  # the device thinks ~100 ms between asks
+    assert min(idle_long.request_ms) == pytest.approx(15.0) and max(idle_long.request_ms) == pytest.approx(15.0)
+    idle_short = simulate(woken, [routed(asks=tuple(range(20)), device_ms=0.0)], opts)  # asks back to back
+    assert min(idle_short.request_ms) == pytest.approx(10.0) and max(idle_short.request_ms) == pytest.approx(10.0)
+    assert CostModel.from_json(woken.to_json()) == woken
+
+
 def test_traces_round_trip(tmp_path):
     traces = [routed(), replace(routed(n=5, asks=(0,)), streamed=True, policy="cloud", measured={"ttft_ms": 3.5})]
     path = tmp_path / "traces.jsonl"

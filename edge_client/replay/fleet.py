@@ -48,6 +48,11 @@ class CostModel:
     request_overhead_ms: float = 0.0  # per request, besides the step (framing, parsing, scheduling)
     step_sigma: float = 0.0  # a step's time x lognormal(0, sigma): the spread measured on the machine
     overhead_sigma: float = 0.0  # the request overhead x lognormal(0, sigma)
+    # A request that finds the replica idle for at least wake_after_ms waits one of wake_ms (drawn at random)
+    # before its step: the server's threads waking (measured on a CPU by scripts/fit_cpu_cost.py; none on
+    # the GPU presets: not measured there, and a busy GPU replica is never idle that long)
+    wake_after_ms: float = 0.0
+    wake_ms: tuple[float, ...] = ()
     source: str = ""
 
     def step_ms(self, n_seqs: int, n_tokens: int) -> float:
@@ -72,6 +77,7 @@ class CostModel:
     def from_json(cls, obj: dict[str, Any]) -> CostModel:
         keep = {k: v for k, v in obj.items() if k in cls.__dataclass_fields__ and k != "gpus_per_replica"}
         keep["curve"] = tuple((int(b), float(ms)) for b, ms in obj["curve"])
+        keep["wake_ms"] = tuple(float(ms) for ms in obj.get("wake_ms", ()))
         return cls(**keep)
 
 
@@ -218,16 +224,24 @@ class Replica:
         self.kv_slots = max(1, cost.kv_tokens // max(sim.opts.context_tokens, 1))
         self.resident = 0
         self.kv_waiting: deque[Callable[[float], None]] = deque()
+        self.idle_since = 0.0
 
     def submit(self, item: Item) -> None:
         self.queue.append(item)
         if not self.busy:
             self.busy = True
-            self.sim.at(self.sim.now, self._step)
+            self.sim.at(self.sim.now + self._wake(self.sim.now), self._step)
+
+    def _wake(self, now: float) -> float:
+        """The wait of a request that finds the replica idle long enough for its threads to sleep."""
+        if not self.cost.wake_ms or now - self.idle_since < self.cost.wake_after_ms:
+            return 0.0
+        return self.sim.rng.choice(self.cost.wake_ms)
 
     def _step(self, now: float) -> None:
         if not self.queue:
             self.busy = False
+            self.idle_since = now
             return
         taken: list[tuple[Item, int]] = []
         left = self.cost.max_batch_tokens
