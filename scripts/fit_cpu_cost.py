@@ -11,8 +11,9 @@ Two measurements, neither of them `scripts/loadtest.py` (which the fit is valida
 2. **What a round trip costs besides the step.** A real `tokenrouter-cloud` server on loopback,
    one WebSocket session, closed loop (no think time): the median hard-token latency minus the
    step time of one item is the per-request overhead (framing, JSON, two event loops, loopback).
-   Then the same after a fixed idle gap (5 and 50 ms, not loadtest's think times): a request that
-   finds the server idle long enough pays its threads' wake-up, each such excess kept (`wake_ms`).
+   Then the same after a fixed idle gap (5 and 50 ms, not loadtest's think times): a step that
+   starts once the CPU has gone idle is slower (a halted guest CPU's cold caches; the queue wait
+   stays ~0.1 ms), each such excess kept (`wake_ms`).
 
 Writes a JSON preset for `edge_client.replay.fleet.CostModel.from_json` (the fitted curve, the
 overhead, the machine and the date), which `tokenrouter-replay simulate --cost FILE` reads.

@@ -48,9 +48,10 @@ class CostModel:
     request_overhead_ms: float = 0.0  # per request, besides the step (framing, parsing, scheduling)
     step_sigma: float = 0.0  # a step's time x lognormal(0, sigma): the spread measured on the machine
     overhead_sigma: float = 0.0  # the request overhead x lognormal(0, sigma)
-    # A request that finds the replica idle for at least wake_after_ms waits one of wake_ms (drawn at random)
-    # before its step: the server's threads waking (measured on a CPU by scripts/fit_cpu_cost.py; none on
-    # the GPU presets: not measured there, and a busy GPU replica is never idle that long)
+    # A step that starts after the replica was idle for at least wake_after_ms takes one of wake_ms more
+    # (drawn at random): on the CPU VM the engine step itself is slower once the CPU has gone idle (the
+    # guest halts; caches and TLB go cold), not the threads' wake-up (the queue wait stays ~0.1 ms).
+    # Measured by scripts/fit_cpu_cost.py; none on the GPU presets: not measured there
     wake_after_ms: float = 0.0
     wake_ms: tuple[float, ...] = ()
     source: str = ""
@@ -225,15 +226,17 @@ class Replica:
         self.resident = 0
         self.kv_waiting: deque[Callable[[float], None]] = deque()
         self.idle_since = 0.0
+        self.cold_ms = 0.0  # added to the next step: the replica was idle long enough to go cold
 
     def submit(self, item: Item) -> None:
         self.queue.append(item)
         if not self.busy:
             self.busy = True
-            self.sim.at(self.sim.now + self._wake(self.sim.now), self._step)
+            self.cold_ms = self._wake(self.sim.now)
+            self.sim.at(self.sim.now, self._step)
 
     def _wake(self, now: float) -> float:
-        """The wait of a request that finds the replica idle long enough for its threads to sleep."""
+        """What the first step after an idle spell of at least `wake_after_ms` takes more (its busy time)."""
         if not self.cost.wake_ms or now - self.idle_since < self.cost.wake_after_ms:
             return 0.0
         return self.sim.rng.choice(self.cost.wake_ms)
@@ -254,6 +257,7 @@ class Replica:
         dt = self.cost.step_ms(len(taken), sum(n for _, n in taken))
         if self.cost.step_sigma > 0:
             dt *= self.sim.rng.lognormvariate(0.0, self.cost.step_sigma)
+        dt, self.cold_ms = dt + self.cold_ms, 0.0
         self.sim.account_step(now, dt, len(taken))
         self.sim.at(now + dt, lambda t: self._finish(t, taken))
 
