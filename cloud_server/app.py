@@ -157,14 +157,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def readyz() -> Response:
         """Readiness: 503 while draining or full, so a balancer (or Kubernetes) sends new sessions to
         another replica; the sessions here go on."""
-        n = worker.engine.n_sessions
-        why = (
-            "draining"
-            if drain.draining
-            else f"full: {n} of {config.max_sessions} sessions"
-            if n >= config.max_sessions
-            else ""
-        )
+        n, why = worker.engine.n_sessions, ""
+        if drain.draining:
+            why = "draining"
+        elif n >= config.max_sessions:
+            why = f"full: {n} of {config.max_sessions} sessions"
         body = json.dumps({"ready": not why, "why": why, "sessions": n})
         return Response(body, status_code=503 if why else 200, media_type="application/json")
 
@@ -201,7 +198,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             await _close_socket(ws, GOING_AWAY, DRAIN_REASON, timeout_s=CLOSE_GRACE_S)
             return
         key = id(ws)
-        drain.register(key, lambda code, reason: _close_socket(ws, code, reason, timeout_s=CLOSE_GRACE_S))
+        state = drain.register(key, lambda code, reason: _close_socket(ws, code, reason, timeout_s=CLOSE_GRACE_S))
         budget = _SendBudget(ws.scope.get(_TRANSPORT), config.max_send_queue_bytes, config.send_timeout_s)
 
         async def send(msg: Message) -> None:
@@ -223,14 +220,14 @@ def create_app(config: ServerConfig) -> FastAPI:
         farewell: Message | None = None  # sent after the session is freed, before the close frame
         try:
             while True:
-                drain.waiting(key, True)  # between requests: a drain may close it now
+                state.waiting = True  # between requests: a drain may close it now
                 try:
                     event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
                 except asyncio.TimeoutError:
                     metrics.rejections.labels("idle").inc()
                     close = (GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
                     break
-                drain.waiting(key, False)
+                state.waiting = False
                 if event["type"] == "websocket.disconnect":
                     close = None
                     break
@@ -255,7 +252,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                     if conn.n_errors >= config.max_errors_per_connection:
                         close = (POLICY_VIOLATION, "too many protocol errors")
                         break
-                if drain.should_close():  # the reply to this message is sent: the device fails over now
+                if drain.draining:  # the reply to this message is sent: the device fails over now
                     metrics.drained.inc()
                     close = (GOING_AWAY, DRAIN_REASON)
                     break

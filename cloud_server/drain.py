@@ -36,7 +36,8 @@ class _Conn:
 
 class Drain:
     """The replica's connections, and whether it is draining. The route handler registers each
-    connection, marks it `waiting` around its receive, and asks `should_close` after each message."""
+    connection, sets its record's `waiting` around its receive, and closes it after a message once
+    `draining` is set."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -44,23 +45,15 @@ class Drain:
         self._empty = asyncio.Event()
         self._empty.set()
 
-    def register(self, key: int, close: Callable[[int, str], Awaitable[None]]) -> None:
-        self._conns[key] = _Conn(close)
+    def register(self, key: int, close: Callable[[int, str], Awaitable[None]]) -> _Conn:
+        conn = self._conns[key] = _Conn(close)
         self._empty.clear()
+        return conn
 
     def unregister(self, key: int) -> None:
         self._conns.pop(key, None)
         if not self._conns:
             self._empty.set()
-
-    def waiting(self, key: int, waiting: bool) -> None:
-        conn = self._conns.get(key)
-        if conn is not None:
-            conn.waiting = waiting
-
-    def should_close(self) -> bool:
-        """Asked after each message is served: a draining replica closes the connection now."""
-        return self.draining
 
     @property
     def n_connections(self) -> int:
@@ -68,7 +61,7 @@ class Drain:
 
     async def run(self, timeout_s: float) -> int:
         """Drain: close the connections between requests now, the others as their request ends
-        (the handler asks `should_close`); returns how many were still open after `timeout_s`."""
+        (the handler sees `draining`); returns how many were still open after `timeout_s`."""
         self.draining = True
         closing = [asyncio.ensure_future(c.close(GOING_AWAY, DRAIN_REASON)) for c in self._conns.values() if c.waiting]
         try:

@@ -16,6 +16,7 @@ Needs Debian's `haproxy` (scripts/setup.sh installs it).
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import socket
 import subprocess
@@ -78,10 +79,10 @@ class LocalFleet:
     def __init__(self, n_replicas: int = 2, model: str | None = None, extra_args: list[str] | None = None) -> None:
         self.model = model
         self.extra_args = extra_args or []
-        self.replicas = [LocalCloudServer(model=model, extra_args=self.extra_args) for _ in range(n_replicas)]
-        self.api_key = self.replicas[0].api_key
-        for r in self.replicas[1:]:
-            r.api_key = self.api_key  # one key, as one deployment's replicas share their key file
+        self.api_key = secrets.token_urlsafe(16)  # one key, as one deployment's replicas share their key file
+        self.replicas = [
+            LocalCloudServer(model=model, api_key=self.api_key, extra_args=self.extra_args) for _ in range(n_replicas)
+        ]
         self.port = 0
         self.url = ""
         self._dir = Path(tempfile.mkdtemp(prefix="tokenrouter-fleet-"))

@@ -49,6 +49,11 @@ class Traffic:
     # that carry over to a GPU (docs/server.md, "what it costs on a GPU"); 0 from a v1 server
     work: Work = field(default_factory=Work)
 
+    @property
+    def failover_lost_ms(self) -> float:
+        """The time the answer lost to failovers: rebuilding the sessions, and the requests asked again."""
+        return self.failover_ms + self.resume_ms
+
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(*(getattr(self, f) + getattr(other, f) for f in _SCALARS), work=self.work + other.work)
 

@@ -234,8 +234,7 @@ class CloudLink:
             self.held = list(prompt[: reply.n_prompt])
             self.sync(prompt[reply.n_prompt :])  # a rebuilt session: the answer so far
         else:  # the cloud rendered the chat differently: the device's tokens are the truth
-            self.held = []
-            self._send(Rollback(position=0))
+            self.rollback(0)
             self.sync(prompt)
         return reply
 

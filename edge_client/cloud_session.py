@@ -82,7 +82,7 @@ class CloudSession:
         # Failovers per answer when the cloud is lost mid-answer (0: finish on the device): a new session,
         # on whichever replica the URL reaches, is rebuilt from the device's history, and the request that
         # was in flight is asked again. Each failover tries for at most reconnect_wait_s, backing off.
-        self.reconnect_mid_answer = reconnects
+        self.reconnects = reconnects
         self.reconnect_wait_s = reconnect_wait_s
         self.backoff = Backoff()
         self._reconnects_left = 0
@@ -131,7 +131,7 @@ class CloudSession:
         False: carry on without the cloud. Raises CloudRejected (a configuration error to report).
         `history` reads the device's history, for a rebuild mid-answer."""
         assert self._connect is not None
-        self._messages, self._history, self._reconnects_left = None, history, self.reconnect_mid_answer
+        self._messages, self._history, self._reconnects_left = None, history, self.reconnects
         self._prompt_len, self._covered = len(prompt), len(prompt)
         try:
             if self.link is not None and not self.link.connected:
@@ -162,7 +162,7 @@ class CloudSession:
         except LinkErrors as exc:
             self.lose(exc)
             ok = False
-        self._messages = messages  # from here on a lost cloud may be reconnected (reconnect_mid_answer)
+        self._messages = messages  # from here on a lost cloud may fail over (`reconnects`)
         return ok
 
     def lose(self, exc: Exception, rebuild_at: list[int] | None = None) -> None:
@@ -193,8 +193,9 @@ class CloudSession:
             except LinkErrors as exc:  # this try failed (refused, full, lost again): back off, try again
                 self.last_error = str(exc)
                 continue
-            self._retired += Traffic(reconnects=1, failover_ms=(time.perf_counter() - t0) * 1000.0)
-            log.info("cloud session rebuilt in %.0f ms", (time.perf_counter() - t0) * 1000.0)
+            took_ms = (time.perf_counter() - t0) * 1000.0
+            self._retired += Traffic(reconnects=1, failover_ms=took_ms)
+            log.info("cloud session rebuilt in %.0f ms", took_ms)
             return
         log.warning(
             "no cloud replica took the session in %.1f s; the device finishes the answer", self.reconnect_wait_s
@@ -275,9 +276,10 @@ class CloudSession:
         request is asked again on the new one: the reply lost with the old replica was never applied
         (the device applies only replies it has), so nothing is applied twice. A slow reply is not a
         lost link: the request was rolled back and the device goes on (`_slow`)."""
-        asked_again = False
+        asked_again, t0 = False, 0.0
         while (link := self.link) is not None:
-            t0 = time.perf_counter()
+            if asked_again:
+                t0 = time.perf_counter()
             try:
                 reply = request(link)
             except CloudTimeout as exc:  # slow, not gone: the link rolled the request back

@@ -124,7 +124,7 @@ class RoutedGenerator:
             if policy is not None:
                 self.policy = policy
             self.opts = opts
-            self.cloud.reconnect_mid_answer, self.cloud.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
+            self.cloud.reconnects, self.cloud.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
             self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
 

@@ -94,6 +94,7 @@ def _trial(fleet: LocalFleet, opts: GeneratorOptions, messages: list[dict], case
         "reconnects": a.traffic.reconnects,
         "failover_ms": round(a.traffic.failover_ms, 1),
         "resume_ms": round(a.traffic.resume_ms, 1),
+        "lost_ms": round(a.traffic.failover_lost_ms, 1),
         "resume_prefill_ms": round(a.traffic.resume_prefill_ms, 1),
         "next_cloud_ms": round(1000 * seen["next_cloud_s"], 1) if "next_cloud_s" in seen else None,
     }
@@ -108,7 +109,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def summarize(rows: list[dict]) -> dict:
     fo = [r["failover_ms"] for r in rows if r["reconnects"]]
-    lost = [r["failover_ms"] + r["resume_ms"] for r in rows if r["reconnects"]]
+    lost = [r["lost_ms"] for r in rows if r["reconnects"]]
     nc = [r["next_cloud_ms"] for r in rows if r["next_cloud_ms"] is not None]
     return {
         "trials": len(rows),

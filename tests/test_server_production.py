@@ -320,13 +320,13 @@ def test_server_restart_mid_answer_rebuilds_the_session_and_the_answer_is_unchan
     q = chat("tell me about the moon")
     try:
         gen = make_generator(edge, server, threshold=0.0, timeout_s=5.0)
-        gen.cloud.reconnect_mid_answer = 1
+        gen.cloud.reconnects = 1
         undisturbed = gen.generate(q, max_tokens=20)
         gen.close()
         assert not undisturbed.degraded and undisturbed.n_cloud_tokens == undisturbed.n_tokens
 
         gen = make_generator(edge, server, threshold=0.0, timeout_s=5.0)
-        gen.cloud.reconnect_mid_answer = 1
+        gen.cloud.reconnects = 1
         restarted = threading.Event()
 
         def restart_after_five(ev) -> None:

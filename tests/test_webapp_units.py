@@ -385,7 +385,7 @@ def test_the_cloud_share_is_shown_against_its_target_with_the_reasons_an_answer_
     assert log.add(_done("q", "a", n_cloud=0), AppSettings(cloud="none"))["cloud_share"]["target"] == 0.0
     moved = _done("q", "a", n_tokens=30, n_cloud=9, traffic=Traffic(reconnects=1, failover_ms=40.0, resume_ms=300.0))
     rec = log.add(moved, s)  # a failover: the cloud's replica went away and another took the session
-    assert rec["answer"]["reconnects"] == 1 and rec["answer"]["failover_ms"] == 340.0
+    assert rec["answer"]["reconnects"] == 1 and rec["answer"]["failover_lost_ms"] == 340.0
     assert rec["cloud_share"]["why"] == [
         "the cloud's server changed mid-answer: the session moved, at a cost of 340 ms"
     ]

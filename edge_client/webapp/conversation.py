@@ -47,7 +47,7 @@ def share_reasons(a: Answer, s: AppSettings) -> list[str]:
     if a.degraded:
         why.append("the cloud was not there: the device wrote the rest")
     if a.traffic.reconnects:  # a failover: the cloud server went away and another took the session
-        lost = a.traffic.failover_ms + a.traffic.resume_ms
+        lost = a.traffic.failover_lost_ms
         why.append(f"the cloud's server changed mid-answer: the session moved, at a cost of {lost:.0f} ms")
     if 0 < a.n_tokens < SHORT_ANSWER:
         why.append(f"a short answer: one token is {100 / a.n_tokens:.0f}% of it")
@@ -94,7 +94,7 @@ def turn_json(done: TurnDone, settings: AppSettings, tally: ShareTally | None = 
             "bytes_down": a.bytes_down,
             "cloud_timeouts": a.cloud_timeouts,
             "reconnects": a.traffic.reconnects,  # failovers: the session rebuilt on another cloud replica
-            "failover_ms": _round(a.traffic.failover_ms + a.traffic.resume_ms),  # the time the answer lost to them
+            "failover_lost_ms": _round(a.traffic.failover_lost_ms),
             "degraded": bool(a.degraded and settings.cloud != "none"),
             "finish_reason": a.finish_reason,  # "length": cut at the token limit, not a complete answer
             "first_token_ms": _round(a.latency.first_token),
