@@ -270,6 +270,7 @@ class Connection:
                 ),
                 max_verify_tokens=self.caps.verify_limit(len(prompt)),  # what fits after this prompt
                 mode="text" if text_mode else "tokens",
+                base_model=not self.info.chat,
             )
         )
         if msg.resume:  # a failover: the device lost its replica mid-answer and rebuilds the session here

@@ -98,6 +98,7 @@ class Answer:
     degraded_reason: str = ""  # why, in the cloud link's words ("" when not degraded)
     interrupted: bool = False  # stopped early by the caller (barge-in)
     finish_reason: str = "stop"  # "stop" (end of generation), "length", "interrupted"
+    decision_engine: str = ""  # what decided the positions the router scored (the token hook): "router", built in
     decision: str = ""  # a per-answer choice of model (replay's query/session policies): "edge" or "cloud"
     latency: Latency = field(default_factory=Latency)
     traffic: Traffic = field(default_factory=Traffic)
@@ -112,6 +113,7 @@ class Answer:
     shared_history: str = ""  # what the device and the cloud shared: "tokens", "text" (protocol v3), "" (no cloud)
     edge_model: str = ""
     cloud_model: str = ""
+    warnings: list[str] = field(default_factory=list)  # what a person should know about how it was made
     routing_log: bytes = b""
     drift: dict[str, Any] | None = None
 
@@ -156,6 +158,7 @@ class Answer:
             "n_tokens": self.n_tokens,
             "n_cloud_tokens": self.n_cloud_tokens,
             "policy": self.policy,
+            "decision_engine": self.decision_engine,
             "decision": self.decision,
             "degraded": self.degraded,
             "degraded_reason": self.degraded_reason,
@@ -180,4 +183,5 @@ class Answer:
             "edge_model": self.edge_model,
             "cloud_model": self.cloud_model,
             "drift": self.drift,
+            "warnings": self.warnings,
         }

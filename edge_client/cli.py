@@ -75,6 +75,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": opts.system_prompt}, {"role": "user", "content": args.text}]
     with open_generator(opts) as gen:
         answer = gen.generate(messages, max_tokens=opts.max_tokens)
+    for note in answer.warnings:
+        print(f"tokenrouter-edge: warning: {note}", file=sys.stderr)
     if args.routing_log:
         write_routing_log(answer, args.routing_log)
     if args.json:
@@ -99,7 +101,7 @@ def write_routing_log(answer: Answer, path: str) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    for name, desc in available_models().items():
+    for name, desc in available_models().items():  # base models say so
         print(f"{name:24s} {desc}")
     return 0
 

@@ -104,6 +104,11 @@ class CloudSession:
         return self.link.accept.cloud_model if self.link is not None and self.link.accept else ""
 
     @property
+    def cloud_base_model(self) -> bool:
+        """The connected cloud's model is a base model (its accept says so; protocol v3)."""
+        return self.link is not None and self.link.accept is not None and self.link.accept.base_model
+
+    @property
     def cloud_len(self) -> int:
         """How much of the device's history the cloud holds (text mode: covers with its text)."""
         if self.link is not None and self.link.mode == "text":

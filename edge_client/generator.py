@@ -55,6 +55,7 @@ from edge_client.strategies import (
 from edge_client.writer import AnswerWriter
 from models.registry import model_info
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RuleOptions
+from shared.decision_engine import DecisionEngine, EngineSetup, build_engine
 from shared.learned_router import load_router
 from shared.llama_backend import LlamaModel
 from shared.model_info import ModelInfo
@@ -92,6 +93,7 @@ class RoutedGenerator:
             opts.router, edge.n_vocab, edge.info, opts.router_on_mismatch, opts.cloud_model
         )
         self.policy = policy or RoutingPolicy(opts.policy_config(), prior=self.router.threshold_for)
+        self.engine = self._engine(opts, self.policy)
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
         self.answer_text = AnswerText.for_model(edge)  # text mode: the answer as this model tokenizes it
         self.cloud = CloudSession(
@@ -120,9 +122,14 @@ class RoutedGenerator:
         policy = None
         if opts.policy_config() != self.opts.policy_config():
             policy = RoutingPolicy(opts.policy_config(), prior=self.router.threshold_for)
+        engine = None
+        if policy is not None or opts.decision_engine != self.opts.decision_engine:
+            engine = self._engine(opts, policy or self.policy)  # an engine may wrap the policy: built with it
         with self._lock:
             if policy is not None:
                 self.policy = policy
+            if engine is not None:
+                self.engine = engine
             self.opts = opts
             self.cloud.reconnects, self.cloud.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
@@ -134,6 +141,11 @@ class RoutedGenerator:
         with self._lock:
             self.cloud.retire()
             self.cloud.last_error = ""  # an error of the old target says nothing about the new one
+
+    def _engine(self, opts: GeneratorOptions, policy: RoutingPolicy) -> DecisionEngine:
+        """The decision engine the options name, built around `policy`."""
+        setup = EngineSetup(policy, {}, self.edge.info.name, opts.cloud_model)
+        return build_engine(opts.decision_engine, setup)
 
     @property
     def link(self) -> CloudLink | None:
@@ -262,6 +274,7 @@ class RoutedGenerator:
         prompt = self.edge.chat_tokens(messages)
         self.decoder.set_history(prompt)
         self.policy.start_answer()
+        self.engine.start_answer()
         self.rule.start_answer()
         cloud = self.cloud
         use_cloud = mode != "edge" and cloud.configured
@@ -273,6 +286,7 @@ class RoutedGenerator:
         self._per_token = PER_TOKEN_STRATEGIES[strategy]
         answer = Answer(
             policy=self.policy.name,
+            decision_engine=self.engine.name,
             degraded=degraded,
             edge_model=self.edge.info.fingerprint,
             cloud_model=cloud.cloud_model if use_cloud else "",
@@ -287,6 +301,7 @@ class RoutedGenerator:
             decoder=self.decoder,
             router=self.router,
             policy=self.policy,
+            engine=self.engine,
             rule=self.rule,
             cloud=cloud,
             sampler=Sampler(self.opts.sampling()),
@@ -307,6 +322,7 @@ class RoutedGenerator:
         answer.degraded_reason = (cloud.last_error or "the cloud was lost") if answer.degraded else ""
         answer.traffic = cloud.traffic() - traffic0
         answer.drift = self.router.drift_report()  # learned routers: score distribution vs training (PSI)
+        answer.warnings = base_model_warnings(self.edge.info, answer.cloud_model and cloud.cloud_base_model)
         return answer
 
     def _strategy(self, turn: Turn, mode: str, use_cloud: bool) -> Strategy:
@@ -332,6 +348,20 @@ _CHECK = ClauseCheck()
 _TEXT_PER_TOKEN = TextPerToken()
 _TEXT_STREAM = TextStream()
 _TEXT_CHECK = TextClauseCheck()
+
+
+BASE_MODEL_NOTE = "it continues text and was not tuned to answer, so what it writes may not read as an answer"
+
+
+def base_model_warnings(edge: ModelInfo, cloud_is_base: bool) -> list[str]:
+    """What a person should know when a base model (no chat template) writes any of an answer:
+    shown by the CLI, the voice commands and the app (the registry marks such models)."""
+    notes = []
+    if not edge.chat:
+        notes.append(f"the device model {edge.name} is a base model: {BASE_MODEL_NOTE}")
+    if cloud_is_base:
+        notes.append(f"the cloud's model is a base model: {BASE_MODEL_NOTE}")
+    return notes
 
 
 def negotiated(rule: RuleOptions, strategy: str, caps: list[str] | None) -> tuple[RuleOptions, str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.cpus import parse_cpus
 from shared.decision import CHECK_MAX_DRAFT, SYNC_EVERY, RuleOptions
+from shared.decision_engine import BUILTIN_ENGINE, engine_name
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import TEXT_MODES, SamplingParams
@@ -42,6 +43,9 @@ class GeneratorOptions:
     hysteresis: float = 0.0
     router: str = "auto"  # "auto" (shipped learned router for the pair, else entropy), a heuristic kind, or a .npz file
     router_on_mismatch: str = "error"  # a learned router trained for another edge model: "error" or "heuristic"
+    # Who decides a position the router is asked about (shared/decision_engine.py, the token hook): the
+    # built-in "router" (the policy above), or an installed engine's name, options after a colon
+    decision_engine: str = BUILTIN_ENGINE
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -105,6 +109,7 @@ class GeneratorOptions:
             raise ValueError(f"text_mode (--text-mode) must be one of {', '.join(TEXT_MODES)}, not {self.text_mode!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        engine_name(self.decision_engine)  # installed (its options are checked when it is built)
         if self.check_max_draft < 1:
             raise ValueError(f"check_max_draft (--draft-max) must be >= 1, not {self.check_max_draft}")
         if self.span < 1:

@@ -46,6 +46,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         default=D.router_on_mismatch,
         help="a router file trained for another device model: refuse, or warn and use entropy",
     )
+    p.add_argument(
+        "--decision-engine",
+        default=D.decision_engine,
+        metavar="NAME[:KEY=VALUE,...]",
+        help="who decides each position the router scores: the built-in 'router' (the policy), or an installed "
+        "engine (entry point group tokenrouter.decision_engines; docs/architecture.md, 'The token hook')",
+    )
     p.add_argument("--warmup", type=int, default=D.warmup, help="first N tokens of each answer stay on the device")
     p.add_argument(
         "--hysteresis", type=float, default=D.hysteresis, help="keep routing until the score drops below T - H"
@@ -134,6 +141,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         hysteresis=args.hysteresis,
         router=args.router,
         router_on_mismatch=args.router_on_mismatch,
+        decision_engine=args.decision_engine,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

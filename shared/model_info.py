@@ -22,6 +22,18 @@ class ModelInfo:
     tokenizer_fingerprint: str
     header: GGUFHeader
 
+    @property
+    def chat(self) -> bool:
+        """The model carries a chat template: it was tuned to answer as an assistant. A model
+        without one is a base model: it continues text, so what it writes as an assistant's
+        answer reads as a continued transcript (shared/text_history.py renders its prompt)."""
+        return self.header.get("tokenizer.chat_template") is not None
+
+    @property
+    def kind(self) -> str:
+        """ "chat" or "base" (see `chat`), for listings and warnings."""
+        return "chat" if self.chat else "base"
+
     @classmethod
     def from_file(cls, path: Path, name: str) -> ModelInfo:
         """Read the GGUF header at `path` and compute its fingerprints."""

@@ -182,6 +182,7 @@ class Accept:
     capabilities: list[str] = field(default_factory=lambda: list(ALL_CAPABILITIES))
     max_verify_tokens: int = 0  # drafts one verify may carry after the prompt (the KV cells allowing; 0: not said)
     mode: str = "tokens"  # v3: HISTORY_MODES; "text": the text_* messages, byte positions
+    base_model: bool = False  # v3: the cloud's model has no chat template (it continues text; the device warns)
 
 
 @dataclass(slots=True)

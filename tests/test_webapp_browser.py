@@ -816,6 +816,31 @@ def test_honest_labels_a_cut_answer_and_the_cloud_share(app, tmp_path):
         core.vopts.max_tokens = saved
 
 
+def test_an_answer_a_base_model_helped_write_says_so(app, gemma_server, tmp_path):
+    """With the Gemma base model as the cloud (text mode), the answer on the page carries the warning
+    the generator gives (a base model continues text); back on the chat cloud, the next one does not."""
+    core, srv = app
+    q = spoken_wav(core.engines.synth, "What is the capital of France?", tmp_path / "q.wav")
+    with chromium(srv.url) as d:
+        s = ready(d, core)
+        core.apply({"cloud": gemma_server.url, "api_key": gemma_server.api_key})
+        ask_file(d, q)
+        wait_for(turns_done(core, 1), 60, "the turn", d)
+        a = s.turns[0].answer
+        assert a is not None and a.shared_history == "text" and a.warnings
+        wait_for(lambda: texts(d, ".turn .warning"), 10, "the warning under the answer", d)
+        assert texts(d, ".turn .warning") == [f"Warning: {a.warnings[0]}."]
+        assert "base model" in a.warnings[0]
+        core.apply({"cloud": "local", "api_key": ""})
+        wait_for(lambda: status_text(d) == "listening", 30, "listening", d)
+        ask_file(d, q)
+        wait_for(turns_done(core, 2), 60, "the second turn", d)
+        b = s.turns[1].answer
+        assert b is not None and b.shared_history == "tokens" and not b.warnings
+        turns = d.find_elements("css selector", ".turn")
+        assert len(turns[-1].find_elements("css selector", ".warning")) == 0
+
+
 def test_the_browser_tests_leave_the_checkout_as_they_found_it():
     """Tests never change tracked files: the screenshot and every other output go under build/
     (ignored), so `git status --porcelain` is what it was before this module's first test."""

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--cloud-fraction", type=float, default=None, help="calibrate the router threshold to this token fraction"
     )
+    g.add_argument(
+        "--decision-engine",
+        default=D.decision_engine,
+        help="who decides the router's positions in the router policies: the built-in 'router', or an installed "
+        "engine, NAME[:KEY=VALUE,...] (docs/architecture.md, 'The token hook')",
+    )
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
     g.add_argument("--span", type=int, default=D.span, help="router-span: tokens per cloud call")
     g.add_argument(
@@ -177,6 +183,8 @@ def _config(args: argparse.Namespace, profile) -> dict:
     cfg = {k: getattr(args, k) for k in keep}
     # the CPU lists only when set: unset, the digest stays as it was, so earlier runs still resume
     cfg.update({k: getattr(args, k) for k in ("device_cpus", "cloud_cpus") if getattr(args, k) is not None})
+    if args.decision_engine != D.decision_engine:  # (likewise: the built-in engine leaves the digest as it was)
+        cfg["decision_engine"] = args.decision_engine
     cfg["profile"] = profile.to_json()
     return cfg
 
@@ -334,6 +342,7 @@ def run(args: argparse.Namespace) -> dict:
     todo = [s for s in sessions if s.id not in done]
     opts = replay_defaults(
         router=args.router,
+        decision_engine=args.decision_engine,
         threshold=args.threshold,
         cloud_fraction=args.cloud_fraction,
         sync_every=args.sync_every,

@@ -96,6 +96,8 @@ def cloud_state(gen: RoutedGenerator, last: TurnDone | None) -> Text:
         t = Text("cloud: not connected" + (f" ({gen.last_cloud_error})" if gen.last_cloud_error else ""), style="red")
     if last is not None and last.answer is not None and last.answer.degraded:
         t.append("  last answer degraded (edge finished alone)", style="red")
+    if last is not None and last.answer is not None and last.answer.warnings:
+        t.append("  warning: " + "; ".join(last.answer.warnings), style="yellow")
     return t
 
 

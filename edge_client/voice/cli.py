@@ -127,6 +127,7 @@ def turn_json(done: TurnDone, out_path: str | None = None, reply_s: float | None
         "n_tokens": a.n_tokens if a is not None else 0,
         "n_cloud_tokens": a.n_cloud_tokens if a is not None else 0,
         "degraded": a.degraded if a is not None else False,
+        "warnings": a.warnings if a is not None else [],
         "interrupted": done.interrupted,
     }
     obj.update(done.timings.to_json())
@@ -162,6 +163,8 @@ def cmd_file(args: argparse.Namespace) -> int:
             obj = run_file_turn(gen, args.input, args.out, vopts, realtime=not args.fast)
     except (AudioFileError, NoSpeechError, MissingModelError) as e:
         return _fail(str(e))
+    for note in obj["warnings"]:
+        print(f"tokenrouter-edge: warning: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps(obj))
         return 0

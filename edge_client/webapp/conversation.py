@@ -97,6 +97,7 @@ def turn_json(done: TurnDone, settings: AppSettings, tally: ShareTally | None = 
             "failover_lost_ms": _round(a.traffic.failover_lost_ms),
             "degraded": bool(a.degraded and settings.cloud != "none"),
             "finish_reason": a.finish_reason,  # "length": cut at the token limit, not a complete answer
+            "warnings": a.warnings,  # a base model wrote some of it (generator.base_model_warnings)
             "first_token_ms": _round(a.latency.first_token),
         }
         d["cloud_share"] = {

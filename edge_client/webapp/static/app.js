@@ -405,6 +405,14 @@ function renderAnswer(t, m) {
   // ...and the order: a token whose live event was missed was appended last; put each at its index
   a.pieces.forEach((_, i) => t.answer.appendChild(t.tokens[i]));
   if (a.finish_reason === "length") t.el.classList.add("cut");
+  // a base model wrote some of it (generator.base_model_warnings): say so under the answer, once
+  t.el.querySelectorAll(".warning").forEach((el) => el.remove());
+  for (const w of a.warnings || []) {
+    const p = document.createElement("p");
+    p.className = "warning";
+    p.textContent = `Warning: ${w}.`;
+    t.el.appendChild(p);
+  }
   if (m.interrupted) markUnplayed(t, m.spoken_text);
 }
 

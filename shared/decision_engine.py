@@ -1,0 +1,179 @@
+"""The token hook: who decides, at each position, whether the device keeps its token.
+
+shared/decision.py fixes the order of things at a position (the check, a lookahead
+guess, then the router); where the router is asked, a `DecisionEngine` gives the
+answer. The built-in engine, `router`, is the routing policy (shared/policy.py):
+the router's score against a threshold, fixed or calibrated to a cloud share. An
+operator plugs in their own engine without editing this tree, as a Python package
+that declares an entry point in the group `tokenrouter.decision_engines`:
+
+    [project.entry-points."tokenrouter.decision_engines"]
+    budget = "my_package:make_engine"
+
+and selects it with `--decision-engine budget` (options after a colon:
+`--decision-engine budget:max_cloud=4,share=0.5`). The entry point is a callable
+taking an `EngineSetup` and returning a `DecisionEngine`; examples/budget-engine
+is a complete one. docs/architecture.md ("The token hook") says what an engine may
+and may not do.
+
+A position's tier is an int: `DEVICE` (0) keeps the device's token, `CLOUD` (1)
+asks the cloud's model. Today's pool has these two tiers; the numbering leaves room
+for more (a mid-size model between them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Callable, Protocol
+
+import numpy as np
+
+from shared.policy import RoutingPolicy
+
+ENTRY_POINT_GROUP = "tokenrouter.decision_engines"
+BUILTIN_ENGINE = "router"
+DEVICE, CLOUD = 0, 1
+TIERS = ("device", "cloud")  # tier index -> name
+
+
+@dataclass(slots=True)
+class Position:
+    """One answer position as an engine sees it. The generator reuses one object per answer
+    and the arrays are views into the model's buffers: read them during `decide` only (copy
+    what you keep)."""
+
+    index: int = 0  # the position in the answer, from 0
+    proposed: int = -1  # the device model's token there
+    score: float = 0.0  # the router's score, 0 (easy) to 1 (hard)
+    hidden: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # the device model's last hidden state
+    logits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # its next-token logits
+
+
+class DecisionEngine(Protocol):
+    """Decides the tier of each position the rule asks about. Called from the per-token loop:
+    keep `decide` cheap (no I/O, no logging above debug, no large allocations)."""
+
+    name: str
+
+    def start_answer(self) -> None:
+        """A new answer begins (reset per-answer state such as a budget)."""
+        ...
+
+    def decide(self, position: Position) -> int:
+        """The tier that writes this position: DEVICE (0) or CLOUD (1)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """What an engine's factory is given."""
+
+    policy: RoutingPolicy  # the built-in policy for these options: wrap it (keeps the calibration) or ignore it
+    options: dict[str, str]  # the `name:key=value,...` options of --decision-engine
+    edge_model: str = ""
+    cloud_model: str = ""
+
+
+class PolicyEngine:
+    """The built-in engine: the routing policy decides from the router's score."""
+
+    name = BUILTIN_ENGINE
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+
+    def start_answer(self) -> None:
+        pass  # the generator resets the policy itself, whichever engine runs
+
+    def decide(self, position: Position) -> int:
+        return CLOUD if self.policy.decide(position.score) else DEVICE
+
+
+class DecisionEngineError(ValueError):
+    """An engine that cannot be found, built or trusted; the message says what to do."""
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """`name` or `name:key=value,key=value` -> (name, options)."""
+    name, _, rest = spec.partition(":")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise DecisionEngineError(f"--decision-engine option {item!r} is not key=value (in {spec!r})")
+        options[key.strip()] = value.strip()
+    if not name.strip():
+        raise DecisionEngineError(f"--decision-engine {spec!r} names no engine")
+    return name.strip(), options
+
+
+def installed_engines() -> dict[str, Callable[[EngineSetup], DecisionEngine]]:
+    """Engines by name: the built-in one and every entry point of the group (loaded lazily)."""
+    found: dict[str, Callable[[EngineSetup], DecisionEngine]] = {BUILTIN_ENGINE: _builtin}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name != BUILTIN_ENGINE:
+            found[ep.name] = _lazy(ep)
+    return found
+
+
+def _builtin(setup: EngineSetup) -> DecisionEngine:
+    if setup.options:
+        raise DecisionEngineError(f"the built-in engine {BUILTIN_ENGINE!r} takes no options: {setup.options}")
+    return PolicyEngine(setup.policy)
+
+
+def _lazy(ep) -> Callable[[EngineSetup], DecisionEngine]:
+    def make(setup: EngineSetup) -> DecisionEngine:
+        try:
+            factory = ep.load()
+        except Exception as exc:
+            raise DecisionEngineError(
+                f"decision engine {ep.name!r} ({ep.value}) failed to import: {exc}; reinstall its package"
+            ) from exc
+        return factory(setup)
+
+    return make
+
+
+def engine_name(spec: str) -> str:
+    """Check that `spec` names an installed engine (without building it); returns its name."""
+    name, _ = parse_spec(spec)
+    if name == BUILTIN_ENGINE:
+        return name
+    known = installed_engines()
+    if name not in known:
+        raise DecisionEngineError(
+            f"no decision engine {name!r} is installed (installed: {', '.join(sorted(known))}); "
+            f"install a package with a {ENTRY_POINT_GROUP!r} entry point named {name!r}"
+        )
+    return name
+
+
+def build_engine(spec: str, setup: EngineSetup) -> DecisionEngine:
+    """The engine `spec` names, built for `setup` (its options filled from `spec`), and checked
+    to have the protocol's methods."""
+    name = engine_name(spec)
+    _, options = parse_spec(spec)
+    try:
+        engine = installed_engines()[name](EngineSetup(setup.policy, options, setup.edge_model, setup.cloud_model))
+    except DecisionEngineError:
+        raise
+    except Exception as exc:
+        raise DecisionEngineError(f"decision engine {name!r} refused its setup: {exc}") from exc
+    missing = [m for m in ("start_answer", "decide") if not callable(getattr(engine, m, None))]
+    if missing:
+        raise DecisionEngineError(
+            f"decision engine {name!r} lacks {', '.join(missing)} (see shared/decision_engine.py)"
+        )
+    return engine
+
+
+def checked_tier(engine: DecisionEngine, tier: int) -> int:
+    """`tier` if this pool has it, else an error naming the engine (an engine bug must not pass as a route)."""
+    if tier == DEVICE or tier == CLOUD:
+        return tier
+    raise DecisionEngineError(
+        f"decision engine {getattr(engine, 'name', engine)!r} chose tier {tier!r}; this pool has "
+        f"{', '.join(f'{i} ({n})' for i, n in enumerate(TIERS))}"
+    )
