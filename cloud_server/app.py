@@ -44,6 +44,7 @@ from cloud_server.logs import ADMITTED, TRACEBACK_EVERY_S, TRACEBACKS, Traceback
 from cloud_server.metrics import ServerMetrics
 from cloud_server.quotas import KeyPolicy, Quotas
 from cloud_server.remote_engine import RemoteEngine, RemoteWorker
+from cloud_server.routing_watch import RoutingWatch
 from cloud_server.scheduler import EngineWorker
 from cloud_server.services import Services
 from cloud_server.session import Connection, ConnectionDone
@@ -123,6 +124,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         tokens_per_minute=config.key_tokens_per_minute,
         max_cloud_fraction=config.key_max_cloud_fraction,
         kv_churn_per_minute=config.key_kv_churn_per_minute,
+        explore_per_minute=config.key_explore_per_minute,
     )
     keys = KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
     info = model_info(config.model)
@@ -131,7 +133,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         AuditOptions(config.audit_dir, config.audit_sample_rate, config.audit_retention_days, config.audit_token_ids),
         cloud_model=info.fingerprint,
     )
-    services = Services(quotas=Quotas(), metrics=metrics, audit=audit, abuse_warmup_tokens=config.abuse_warmup_tokens)
+    services = Services(
+        quotas=Quotas(),
+        metrics=metrics,
+        audit=audit,
+        abuse_warmup_tokens=config.abuse_warmup_tokens,
+        watch=RoutingWatch(config.alarm_quantile, config.alarm_min_sessions),
+    )
     worker = build_worker(config, metrics)
     metrics.bind(
         lambda: worker.engine.n_sessions, worker.engine.pool if isinstance(worker.engine, CloudEngine) else None
@@ -240,7 +248,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                         )
                     await conn.on_message(_decode(frame, config.max_message_bytes))
                 except ProtocolError as exc:
-                    conn.n_errors += 1
+                    conn.n_errors += exc.code != ErrorCode.EXPLORE_LIMITED  # a declined exploration is no fault
                     metrics.protocol_errors.labels(exc.code).inc()
                     log.info("session %s: %s", conn.session_id or "-", exc)
                     if exc.mtype == Hello.type and conn.seq is None:  # a broken hello: refused like any other

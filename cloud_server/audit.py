@@ -49,6 +49,7 @@ class SessionAudit:
         self.token_ids = token_ids
         self.t_open = time.time()
         self.flagged = False
+        self.alarms: list[str] = []  # the routing watch's (cloud_server/routing_watch.py)
         self._writers = bytearray()  # 1 = cloud
         self._ids: list[int] = []
 

@@ -10,7 +10,14 @@ from pathlib import Path
 from cloud_server.quotas import KeyPolicy
 
 ENV_VAR = "TOKENROUTER_API_KEYS"
-_LIMITS = ("max_sessions", "tokens_per_minute", "max_cloud_fraction", "kv_churn_per_minute")  # KeyPolicy's limits
+_LIMITS = (  # KeyPolicy's limits
+    "max_sessions",
+    "tokens_per_minute",
+    "max_cloud_fraction",
+    "kv_churn_per_minute",
+    "explore_per_minute",
+)
+_INT_LIMITS = ("max_sessions", "tokens_per_minute", "kv_churn_per_minute", "explore_per_minute")
 
 
 def digest(key: str) -> str:
@@ -31,8 +38,8 @@ def load_keys(path: str | None) -> list[str]:
 
 
 def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
-    """'KEY [name=N] [max_sessions=N] [tokens_per_minute=N] [max_cloud_fraction=F] [kv_churn_per_minute=N]'
-    -> (digest, policy)."""
+    """'KEY [name=N] [max_sessions=N] [tokens_per_minute=N] [max_cloud_fraction=F] [kv_churn_per_minute=N]
+    [explore_per_minute=N]' -> (digest, policy)."""
     key, *opts = line.split()
     d = key if key.startswith("sha256:") else digest(key)
     fields: dict[str, object] = {"name": "key-" + d[7:15]}
@@ -41,7 +48,7 @@ def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
         try:
             if name == "name" and sep:
                 fields["name"] = value
-            elif name in ("max_sessions", "tokens_per_minute", "kv_churn_per_minute") and sep:
+            elif name in _INT_LIMITS and sep:
                 fields[name] = int(value)
             elif name == "max_cloud_fraction" and sep:
                 fields[name] = float(value)
@@ -50,7 +57,7 @@ def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
         except ValueError:
             raise ValueError(
                 f"API key entry {fields['name']}: bad option {opt!r}; use name=, max_sessions=, tokens_per_minute=, "
-                "max_cloud_fraction= or kv_churn_per_minute="
+                "max_cloud_fraction=, kv_churn_per_minute= or explore_per_minute="
             ) from None
     base = {f: getattr(default, f) for f in _LIMITS}
     base.update(fields)

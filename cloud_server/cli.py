@@ -126,6 +126,26 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         "(evict-mode recompute); past it, requests that would evict are refused with busy. 0: no evictions",
     )
     g.add_argument(
+        "--key-explore-per-minute",
+        type=int,
+        default=d.key_explore_per_minute,
+        help="default per-key exploration requests per minute (devices' --explore); past it they are declined "
+        "(explore_limited) and the device writes the position. 0: none",
+    )
+    g.add_argument(
+        "--alarm-quantile",
+        type=float,
+        default=d.alarm_quantile,
+        help="routing watch: a session whose routed share, check overrule rate or explored disagreement falls "
+        "outside all but this share of the fleet's sessions on either side raises an alarm (metric, log, audit)",
+    )
+    g.add_argument(
+        "--alarm-min-sessions",
+        type=int,
+        default=d.alarm_min_sessions,
+        help="routing watch: sessions seen before its band is trusted",
+    )
+    g.add_argument(
         "--abuse-warmup-tokens",
         type=int,
         default=d.abuse_warmup_tokens,
@@ -200,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         key_tokens_per_minute=args.key_tokens_per_minute,
         key_max_cloud_fraction=args.key_max_cloud_fraction,
         key_kv_churn_per_minute=args.key_kv_churn_per_minute,
+        key_explore_per_minute=args.key_explore_per_minute,
+        alarm_quantile=args.alarm_quantile,
+        alarm_min_sessions=args.alarm_min_sessions,
         abuse_warmup_tokens=args.abuse_warmup_tokens,
         audit_dir=args.audit_dir,
         audit_sample_rate=args.audit_sample_rate,

@@ -47,7 +47,11 @@ class ServerConfig:
     key_tokens_per_minute: int | None = None
     key_max_cloud_fraction: float | None = None
     key_kv_churn_per_minute: int | None = 8192  # KV cells a key's sessions may make others recompute per minute
+    key_explore_per_minute: int | None = 60  # exploration requests a key's sessions may make per minute
     abuse_warmup_tokens: int = 32
+    # the routing watch (cloud_server/routing_watch.py): alarm when a session's rates leave the fleet's band
+    alarm_quantile: float = 0.01  # the band holds all but this share of sessions on each side
+    alarm_min_sessions: int = 20  # sessions seen before the band is trusted
     # audit log
     audit_dir: str | None = None
     audit_sample_rate: float = 1.0

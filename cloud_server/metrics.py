@@ -57,6 +57,15 @@ class ServerMetrics:
             P + "sessions_resumed", "Sessions a device rebuilt here after losing its replica mid-answer", registry=r
         )
         self.drained = Counter(P + "sessions_drained", "Sessions closed 1001 by a drain, after their reply", registry=r)
+        self.routing_alarms = Counter(
+            P + "routing_alarms",
+            "Sessions whose routing left the fleet's band (cloud_server/routing_watch.py), by rate and side",
+            ["signal", "side"],
+            registry=r,
+        )
+        self.explored = Counter(
+            P + "explored", "Exploration requests served (the device's router kept them)", registry=r
+        )
 
     def bind(self, n_sessions: Callable[[], int], kv: KVPool | None = None) -> None:
         """Read gauges on each scrape (no bookkeeping on the hot path): the open sessions, and the KV

@@ -29,6 +29,7 @@ class KeyPolicy:
     tokens_per_minute: int | None = None
     max_cloud_fraction: float | None = None
     kv_churn_per_minute: int | None = None  # KV cells its sessions may make others recompute (cloud_server/kv_pool.py)
+    explore_per_minute: int | None = None  # exploration requests its sessions may make (shared/decision_engine.py)
 
 
 class QuotaExceeded(Exception):
@@ -65,6 +66,7 @@ class Quotas:
         self._lock = threading.Lock()
         self._sessions: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
+        self._explore: dict[str, _Bucket] = {}
 
     def open_session(self, key: KeyPolicy) -> None:
         with self._lock:
@@ -100,6 +102,23 @@ class Quotas:
             raise QuotaExceeded(
                 f"key {key.name!r} used its {key.tokens_per_minute} cloud tokens per minute; retry in {wait:.1f} s",
                 "key_tokens_per_minute",
+            )
+
+    def take_explore(self, key: KeyPolicy) -> None:
+        """One exploration request, from the key's budget (a token bucket shared by its sessions)."""
+        if key.explore_per_minute is None:
+            return
+        with self._lock:
+            b = self._explore.get(key.name)
+            if b is None:
+                epm = float(key.explore_per_minute)
+                b = self._explore[key.name] = _Bucket(capacity=max(epm, 1.0), rate=epm / 60.0, level=epm)
+            wait = b.take() if key.explore_per_minute > 0 else float("inf")
+        if wait:
+            raise QuotaExceeded(
+                f"key {key.name!r} used its {key.explore_per_minute} exploration requests per minute; the device "
+                "writes this position",
+                "key_explore_per_minute",
             )
 
 

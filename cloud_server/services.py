@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from cloud_server.audit import AuditLog, AuditOptions
 from cloud_server.metrics import ServerMetrics
 from cloud_server.quotas import Quotas
+from cloud_server.routing_watch import RoutingWatch
 
 
 @dataclass(slots=True)
@@ -19,3 +20,4 @@ class Services:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     audit: AuditLog = field(default_factory=lambda: AuditLog(AuditOptions(), cloud_model=""))
     abuse_warmup_tokens: int = 32
+    watch: RoutingWatch = field(default_factory=RoutingWatch)

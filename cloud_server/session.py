@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, NoReturn, cast
 
 from cloud_server.audit import SessionAudit
@@ -40,6 +40,7 @@ from cloud_server.config import ServerConfig
 from cloud_server.engine_api import EngineError, EngineFull, GenerateResult, Owner, TextEngine, Worker
 from cloud_server.flywheel import recorder_for
 from cloud_server.quotas import KeyPolicy, QuotaExceeded, SessionGuard
+from cloud_server.routing_watch import SessionRouting
 from cloud_server.services import Services
 from cloud_server.text_session import SpanPiece, TextSession
 from shared.model_info import ModelInfo
@@ -99,6 +100,7 @@ class SessionState:
     guard: SessionGuard
     audit: SessionAudit | None  # None when the audit log is off
     flagged: bool = False  # the abuse check flagged it (counted and logged once per session)
+    routing: SessionRouting = field(default_factory=SessionRouting)  # the routing watch's counts
 
     def record_tokens(self, position: int, tokens: list[int], cloud: bool) -> None:
         if self.audit is not None:
@@ -341,11 +343,32 @@ class Connection:
                 st.guard.device_tokens(len(tokens))
             self.services.metrics.device_tokens.inc(len(tokens))
             st.record_tokens(position, tokens, cloud=False)
+            self._advanced(st, len(tokens))
 
     def _cloud_token(self, st: SessionState, position: int, token: int) -> None:
         st.guard.cloud_token()
         self.services.metrics.hard_tokens.inc()
         st.record_tokens(position, [token], cloud=True)
+        self._advanced(st, 1)
+
+    def _advanced(self, st: SessionState, n: int, final: bool = False) -> None:
+        """The session's answer grew by `n` positions: compare its routing with the fleet's band now and then."""
+        st.routing.positions += n
+        for alarm in self.services.watch.check(st.routing, final):
+            self.services.metrics.routing_alarms.labels(alarm.signal, alarm.side).inc()
+            log.warning("session %s (key %s): routing alarm: %s", st.session_id, st.key.name, alarm.describe())
+            if st.audit is not None:
+                st.audit.flagged = True  # kept, whatever the sample rate
+                st.audit.alarms.append(alarm.describe())
+
+    def _admit_explore(self, st: SessionState) -> None:
+        """An exploration request, from its key's budget: over it, declined (`explore_limited`), nothing changed."""
+        try:
+            self.services.quotas.take_explore(st.key)
+        except QuotaExceeded as exc:
+            self.services.metrics.rejections.labels(exc.kind).inc()
+            raise ProtocolError(ErrorCode.EXPLORE_LIMITED, exc.reason) from None
+        self.services.metrics.explored.inc()
 
     def _cloud_span(self, st: SessionState, position: int, tokens: list[int]) -> None:
         """Account a span of tokens the cloud wrote from `position` (text mode's pieces)."""
@@ -386,6 +409,8 @@ class Connection:
             )
         self._check_max_tokens(msg.max_tokens)
         t_received = time.perf_counter()
+        if msg.explore:
+            self._admit_explore(st)
         # the first token: refused, it leaves the history as it was (the device may retry at msg.position)
         self._admit_hard_tokens(st, 1, carried=len(msg.tokens))
         self.engine.append(st.handle, msg.tokens)
@@ -409,6 +434,8 @@ class Connection:
                 with engine_errors():
                     written = await self.worker.generate(st.handle)
             token = written.token
+            if i == 0:
+                self._count_ask(st, msg.explore, disagreed=token != msg.proposed)
             self._cloud_token(st, position + i, token)
             eog = self.engine.is_eog(token)
             final = eog or i == msg.max_tokens - 1
@@ -422,6 +449,15 @@ class Connection:
                 if msg.lookahead and not eog:
                     await self._send_next(st, msg.request_id, position + i + 1)
                 return
+
+    def _count_ask(self, st: SessionState, explore: bool, disagreed: bool) -> None:
+        """A hard position served: one the router asked for, or an exploration (with its label)."""
+        r = st.routing
+        if explore:
+            r.explored += 1
+            r.disagreed += disagreed
+        else:
+            r.asked += 1
 
     async def _send_tokens(
         self, st: SessionState, request_id: int, position: int, w: GenerateResult, final: bool, eog: bool
@@ -484,6 +520,10 @@ class Connection:
         with engine_errors():
             r = await self.worker.verify(st.handle, msg.tokens, msg.check, msg.bonus, msg.tolerance)
         self.cloud_tokens += int(r.token >= 0)
+        judged = min(r.accepted + 1, len(msg.tokens))  # the kept drafts, and the one rejected (if any)
+        flagged_judged = sum(1 for off in msg.check if off < judged)
+        st.routing.checked += judged - flagged_judged
+        st.routing.overruled += r.token >= 0 and r.accepted < len(msg.tokens) and r.accepted not in msg.check
         self._device_tokens(st, msg.position, msg.tokens[: r.accepted])
         if r.token >= 0:
             self._cloud_token(st, msg.position + r.accepted, r.token)
@@ -549,6 +589,8 @@ class Connection:
         """A hard position in text mode: the device's text, then the cloud's span (or stream)."""
         self._check_bytes(text, "text_generate", msg.byte_position)
         self._check_max_tokens(msg.max_tokens)
+        if msg.explore:
+            self._admit_explore(st)
         self._admit_hard_tokens(st, 1)
         n = len(self.engine.history(st.handle))
         with engine_errors():
@@ -558,6 +600,8 @@ class Connection:
 
         async def emit(piece: SpanPiece) -> None:
             nonlocal sent
+            if not sent:  # the label: the cloud's text goes another way than the device's token
+                self._count_ask(st, msg.explore, disagreed=not piece.text.startswith(msg.proposed_text.encode()))
             self._cloud_span(st, len(self.engine.history(st.handle)) - len(piece.tokens), piece.tokens)
             await self.send(
                 TextReply(
@@ -662,6 +706,8 @@ class Connection:
         failure is raised after all of them ran (the transport logs it, rate-limited), never before
         the release: a session that leaked would hold a slot until a restart."""
         st, self.session = self.session, None
+        if st is not None:
+            self._advanced(st, 0, final=True)  # the routing watch's last look (counts only: cannot fail)
         try:
             if st is not None:
                 try:
@@ -672,7 +718,8 @@ class Connection:
             observers: list[Callable[[], object]] = []
             if st is not None and st.audit is not None:
                 audit = st.audit
-                observers.append(lambda: self.services.audit.finish(audit, edge_model=self.edge_model))
+                extra = {"alarms": audit.alarms} if audit.alarms else None
+                observers.append(lambda: self.services.audit.finish(audit, edge_model=self.edge_model, extra=extra))
             if self.recorder is not None:
                 recorder = self.recorder
                 observers.append(lambda: recorder.flush(self.edge_model))

@@ -104,6 +104,8 @@ class Answer:
     traffic: Traffic = field(default_factory=Traffic)
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
+    explored_positions: list[int] = field(default_factory=list)  # answer indices asked by exploration (--explore)
+    explore_declined: int = 0  # of those, the ones the cloud declined (its key's exploration budget)
     overruled_positions: list[int] = field(
         default_factory=list
     )  # where the cloud's check replaced an unflagged device token
@@ -175,6 +177,8 @@ class Answer:
             "lookahead_tokens": self.lookahead_tokens,
             "lookahead_positions": self.lookahead_positions,
             "overruled_positions": self.overruled_positions,
+            "explored_positions": self.explored_positions,
+            "explore_declined": self.explore_declined,
             "cloud_capabilities": self.cloud_capabilities,
             "cloud_mode": self.cloud_mode,
             "cloud_mode_asked": self.cloud_mode_asked,

@@ -118,6 +118,11 @@ class CloudError(RuntimeError):
         self.code = err.code
 
 
+class CloudDeclined(Exception):
+    """The cloud declined an exploration request (its key's exploration budget is spent): it left the
+    session as it was, and the link stays up. The device writes the position itself."""
+
+
 @dataclass(slots=True)
 class CloudToken:
     token: int
@@ -282,13 +287,15 @@ class CloudLink:
         max_tokens: int = 1,
         on_token: Callable[[CloudToken], bool] | None = None,
         lookahead: bool = False,
+        explore: bool = False,
     ) -> list[CloudToken]:
         """Send `pending` device tokens plus a hard-token request; returns the cloud's tokens.
 
         With max_tokens > 1 the cloud streams; `on_token` sees each token as it
         arrives and may return False to stop listening (the link then closes,
         since the cloud is still writing). With `lookahead` the cloud then sends
-        its guess for the following position: read it with `next_guess`.
+        its guess for the following position: read it with `next_guess`. `explore`: the device's
+        engine kept this position (exploration); the cloud may decline it (CloudDeclined).
         """
         request_id = self._new_request()
         self._send(
@@ -300,6 +307,7 @@ class CloudLink:
                 max_tokens=max_tokens,
                 hidden=None if hidden is None else hidden.astype(np.float16),
                 lookahead=lookahead,
+                explore=explore,
             )
         )
         self.held.extend(pending)
@@ -307,7 +315,11 @@ class CloudLink:
         out: list[CloudToken] = []
         while True:
             # a timeout abandons the request: the cloud finishes it, then this rollback undoes its tokens
-            reply = self._reply(request_id, Tokens, undo=lambda: self.rollback(self.cloud_len))
+            try:
+                reply = self._reply(request_id, Tokens, undo=lambda: self.rollback(self.cloud_len))
+            except CloudDeclined:
+                del self.held[len(self.held) - len(pending) :]  # the cloud took nothing of it
+                raise
             if reply.position != self.cloud_len:
                 self.close_quietly()
                 raise CloudUnavailable(f"cloud tokens at position {reply.position}, expected {self.cloud_len}")
@@ -410,6 +422,7 @@ class CloudLink:
         at_word: bool = True,
         on_text: Callable[[CloudText], bool] | None = None,
         lookahead: bool = False,
+        explore: bool = False,
     ) -> CloudText:
         """Send `pending` device text plus a hard position; returns the cloud's text (a span,
         shared/text_history.py), all of it: with `at_word` False a stream of up to `max_tokens`
@@ -427,6 +440,7 @@ class CloudLink:
                 at_word=at_word,
                 hidden=None if hidden is None else hidden.astype(np.float16),
                 lookahead=lookahead,
+                explore=explore,
             )
         )
         self.held_text += pending
@@ -434,7 +448,11 @@ class CloudLink:
         out = CloudText(b"", 0, 0.0, False)
         while True:
             # a timeout abandons it: the cloud finishes the span, then this rollback undoes its text
-            reply = self._reply(request_id, TextReply, undo=lambda: self.text_rollback(len(self.held_text)))
+            try:
+                reply = self._reply(request_id, TextReply, undo=lambda: self.text_rollback(len(self.held_text)))
+            except CloudDeclined:
+                del self.held_text[len(self.held_text) - len(pending) :]  # the cloud took nothing of it
+                raise
             if reply.byte_position != len(self.held_text):
                 self.close_quietly()
                 raise CloudUnavailable(f"cloud text at byte {reply.byte_position}, expected {len(self.held_text)}")
@@ -538,6 +556,8 @@ class CloudLink:
         `request_id`, or for no request, closes the link and raises CloudError."""
         if not isinstance(reply, Error):
             return False
+        if reply.request_id == request_id and reply.code == ErrorCode.EXPLORE_LIMITED:
+            raise CloudDeclined(reply.message)
         if reply.request_id in (None, request_id):
             self.close_quietly()
             raise CloudError(reply)

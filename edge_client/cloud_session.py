@@ -28,6 +28,7 @@ import numpy as np
 
 from edge_client.answer import Traffic
 from edge_client.cloud_link import (
+    CloudDeclined,
     CloudError,
     CloudLink,
     CloudRejected,
@@ -79,6 +80,7 @@ class CloudSession:
         self.link: CloudLink | None = None
         self.last_error = ""
         self.timeouts = 0  # hard tokens the device wrote because the cloud was slow
+        self.explore_declined = 0  # exploration requests the cloud declined (its key's budget was spent)
         # Failovers per answer when the cloud is lost mid-answer (0: finish on the device): a new session,
         # on whichever replica the URL reaches, is rebuilt from the device's history, and the request that
         # was in flight is asked again. Each failover tries for at most reconnect_wait_s, backing off.
@@ -263,17 +265,34 @@ class CloudSession:
             except CloudUnavailable as exc:
                 self.lose(exc)
 
-    def ask(self, history: list[int], proposed: int, hidden: np.ndarray, lookahead: bool) -> CloudToken | None:
+    def ask(
+        self, history: list[int], proposed: int, hidden: np.ndarray, lookahead: bool, explore: bool = False
+    ) -> CloudToken | None:
         """The cloud's token for the position after `history` (the device proposed `proposed`), or
-        None: the device writes it (a fallback). One round trip; a slow reply is abandoned."""
+        None: the device writes it (a fallback). One round trip; a slow reply is abandoned.
+        `explore`: asked at random where the engine kept the device's token; the cloud may decline it
+        (counted in `explore_declined`; None)."""
 
         def request(link: CloudLink) -> CloudToken | None:
             got = link.generate(
-                history[link.cloud_len :], proposed=proposed, hidden=hidden, max_tokens=1, lookahead=lookahead
+                history[link.cloud_len :],
+                proposed=proposed,
+                hidden=hidden,
+                max_tokens=1,
+                lookahead=lookahead,
+                explore=explore,
             )
             return got[0] if got else None
 
-        return self._request(request, rebuild_at=history)
+        return self._declinable(request, history)
+
+    def _declinable(self, request: Callable[[CloudLink], T], history: list[int]) -> T | None:
+        """`_request`, where the cloud may decline an exploration (its key's budget spent): None."""
+        try:
+            return self._request(request, rebuild_at=history)
+        except CloudDeclined:
+            self.explore_declined += 1
+            return None
 
     def _request(self, request: Callable[[CloudLink], T], rebuild_at: list[int] | None = None) -> T | None:
         """`request` on the link, or None when the cloud could not answer. Where the link is lost,
@@ -369,7 +388,7 @@ class CloudSession:
         self._covered = history_len
 
     def ask_text(
-        self, history: list[int], proposed: bytes, hidden: np.ndarray, lookahead: bool = False
+        self, history: list[int], proposed: bytes, hidden: np.ndarray, lookahead: bool = False, explore: bool = False
     ) -> CloudText | None:
         """Text mode: the cloud's span for the position after `history` (its text joins the answer
         on both sides), or None: the device writes the position (a fallback). None also where the
@@ -383,10 +402,10 @@ class CloudSession:
         def request(link: CloudLink) -> CloudText:
             pending = self._pending_text(history)
             return link.text_generate(
-                pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS, lookahead=lookahead
+                pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS, lookahead=lookahead, explore=explore
             )
 
-        return self._request(request, rebuild_at=history)
+        return self._declinable(request, history)
 
     def verify_text(
         self,

@@ -94,6 +94,7 @@ class RoutedGenerator:
         )
         self.policy = policy or RoutingPolicy(opts.policy_config(), prior=self.router.threshold_for)
         self.engine = self._engine(opts, self.policy)
+        self.exploration = opts.exploration()  # kept across answers: its budget is per minute
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
         self.answer_text = AnswerText.for_model(edge)  # text mode: the answer as this model tokenizes it
         self.cloud = CloudSession(
@@ -130,6 +131,8 @@ class RoutedGenerator:
                 self.policy = policy
             if engine is not None:
                 self.engine = engine
+            if (opts.explore, opts.explore_per_minute) != (self.opts.explore, self.opts.explore_per_minute):
+                self.exploration = opts.exploration()
             self.opts = opts
             self.cloud.reconnects, self.cloud.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
@@ -295,13 +298,14 @@ class RoutedGenerator:
             cloud_mode_asked=cloud_mode(mode, use_cloud, self.opts.rule(), self.opts.strategy),
             shared_history=cloud.shared_history if use_cloud else "",
         )
-        traffic0, timeouts0 = cloud.traffic(), cloud.timeouts
+        traffic0, timeouts0, declined0 = cloud.traffic(), cloud.timeouts, cloud.explore_declined
         turn = Turn(
             model=self.edge,
             decoder=self.decoder,
             router=self.router,
             policy=self.policy,
             engine=self.engine,
+            exploration=self.exploration,
             rule=self.rule,
             cloud=cloud,
             sampler=Sampler(self.opts.sampling()),
@@ -318,6 +322,7 @@ class RoutedGenerator:
             self._strategy(turn, mode, use_cloud).run(turn)
         turn.out.finish(turn.stopped(), turn.router_ms)
         answer.cloud_timeouts = cloud.timeouts - timeouts0
+        answer.explore_declined = cloud.explore_declined - declined0
         answer.degraded = answer.degraded or (use_cloud and not cloud.up)
         answer.degraded_reason = (cloud.last_error or "the cloud was lost") if answer.degraded else ""
         answer.traffic = cloud.traffic() - traffic0

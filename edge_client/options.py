@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.cpus import parse_cpus
 from shared.decision import CHECK_MAX_DRAFT, SYNC_EVERY, RuleOptions
-from shared.decision_engine import BUILTIN_ENGINE, engine_name
+from shared.decision_engine import BUILTIN_ENGINE, Exploration, engine_name
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import TEXT_MODES, SamplingParams
@@ -46,6 +46,10 @@ class GeneratorOptions:
     # Who decides a position the router is asked about (shared/decision_engine.py, the token hook): the
     # built-in "router" (the policy above), or an installed engine's name, options after a colon
     decision_engine: str = BUILTIN_ENGINE
+    # Exploration (shared/decision_engine.py, Exploration): a position the engine kept is asked of the cloud anyway
+    # with this probability (0: off), for unbiased labels and drift checks; at most explore_per_minute a minute
+    explore: float = 0.0
+    explore_per_minute: float = 6.0
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -99,6 +103,11 @@ class GeneratorOptions:
             hysteresis=self.hysteresis,
         )
 
+    def exploration(self) -> Exploration | None:
+        """The exploration these options ask for (validated), or None when it is off."""
+        e = Exploration(self.explore, self.explore_per_minute)
+        return e if self.explore > 0 else None
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
@@ -110,6 +119,7 @@ class GeneratorOptions:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
         engine_name(self.decision_engine)  # installed (its options are checked when it is built)
+        self.exploration()
         if self.check_max_draft < 1:
             raise ValueError(f"check_max_draft (--draft-max) must be >= 1, not {self.check_max_draft}")
         if self.span < 1:

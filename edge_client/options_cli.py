@@ -53,6 +53,20 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         help="who decides each position the router scores: the built-in 'router' (the policy), or an installed "
         "engine (entry point group tokenrouter.decision_engines; docs/architecture.md, 'The token hook')",
     )
+    p.add_argument(
+        "--explore",
+        type=float,
+        default=D.explore,
+        metavar="P",
+        help="exploration: ask the cloud, with probability P, for a position the router kept on the device "
+        "(unbiased labels for drift checks; 0: off)",
+    )
+    p.add_argument(
+        "--explore-per-minute",
+        type=float,
+        default=D.explore_per_minute,
+        help="at most this many explored positions a minute (the cloud's key may allow fewer)",
+    )
     p.add_argument("--warmup", type=int, default=D.warmup, help="first N tokens of each answer stay on the device")
     p.add_argument(
         "--hysteresis", type=float, default=D.hysteresis, help="keep routing until the score drops below T - H"
@@ -142,6 +156,8 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         router=args.router,
         router_on_mismatch=args.router_on_mismatch,
         decision_engine=args.decision_engine,
+        explore=args.explore,
+        explore_per_minute=args.explore_per_minute,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

@@ -40,7 +40,7 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, Step, draft_ends
-from shared.decision_engine import DEVICE, DecisionEngine, Position, checked_tier
+from shared.decision_engine import DEVICE, DecisionEngine, Exploration, Position, checked_tier
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
@@ -71,6 +71,7 @@ class Turn:
     prompt_len: int = 0  # where the answer starts in the decoder's history
     text_guess: TextGuess | None = None  # text mode: the cloud's guess that came with its last span
     position: Position = field(default_factory=Position)  # what the engine is shown, reused at each position
+    exploration: Exploration | None = None  # asks the cloud at random where the engine kept the device's token
 
     @property
     def answer(self) -> Answer:
@@ -102,6 +103,14 @@ class Turn:
         hard = checked_tier(self.engine, self.engine.decide(at)) != DEVICE
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
         return score, hard
+
+    def explore(self, flagged: bool | None) -> bool:
+        """Exploration: ask the cloud about this position although the engine kept it (`flagged` False)?
+        Recorded in the answer's `explored_positions`."""
+        if flagged is not False or self.exploration is None or not self.cloud.up or not self.exploration.pick():
+            return False
+        self.answer.explored_positions.append(len(self.answer.tokens))
+        return True
 
     def write(
         self, token: int, route: Route, score: float | None, fallback: bool = False, lookahead: bool = False
@@ -167,16 +176,17 @@ class PerToken:
         proposed = turn.sampler.sample(logits)
         guess = cloud.guess(turn.opts.lookahead_wait_s) if rule.guess_due and cloud.up else None
         score, flagged = turn.flag(hidden, logits, proposed) if rule.router_asked(guess) else (None, None)
-        step = rule.step(flagged, guess, proposed)
+        explore = turn.explore(flagged)
+        step = rule.step(flagged or explore, guess, proposed)
         token, route, answered = proposed, "edge", False
         if guess is not None:
             if step is Step.GUESS_TAKE:
                 token, route = guess.token, "cloud"
         elif step is Step.ASK and cloud.up:
-            got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead)
+            got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead, explore=explore)
             if got is not None:
                 token, route, answered = got.token, "cloud", True
-        fallback = step is Step.ASK and not answered and cloud.configured
+        fallback = step is Step.ASK and not answered and cloud.configured and not explore
         turn.write(token, route, score, fallback, lookahead=guess is not None)
         rule.written(token, cloud_answered=answered)
         turn.sync_eagerly()
@@ -322,7 +332,8 @@ class TextPerToken:
         text_guess, turn.text_guess = (turn.text_guess if rule.guess_due else None), None
         guess = text_guess.for_tokens(model.token_bytes, model.is_eog) if text_guess is not None else None
         score, flagged = turn.flag(hidden, logits, proposed) if rule.router_asked(guess) else (None, None)
-        step = rule.step(flagged, guess, proposed)
+        explore = turn.explore(flagged)
+        step = rule.step(flagged or explore, guess, proposed)
         if step is Step.GUESS_TAKE and text_guess is not None:  # the cloud's guess, no round trip
             best = text_guess.best
             turn.take_text(CloudText(best, 1, text_guess.logprobs[0], not best), None, lookahead=True)
@@ -330,14 +341,17 @@ class TextPerToken:
             turn.sync_eagerly()
             return
         if step is Step.ASK and cloud.up:
-            got = cloud.ask_text(turn.decoder.history, model.token_bytes(proposed), hidden, turn.opts.lookahead)
+            got = cloud.ask_text(
+                turn.decoder.history, model.token_bytes(proposed), hidden, turn.opts.lookahead, explore=explore
+            )
             if got is not None and (got.text or got.eog):  # (a span of only a cut character brings nothing)
                 turn.take_text(got, score)
                 turn.text_guess = got.guess
                 rule.written(turn.answer.tokens[-1], cloud_answered=True)
                 turn.sync_eagerly()
                 return
-        turn.write(proposed, "edge", score, fallback=step is Step.ASK and cloud.configured, lookahead=guess is not None)
+        fallback = step is Step.ASK and cloud.configured and not explore
+        turn.write(proposed, "edge", score, fallback=fallback, lookahead=guess is not None)
         rule.written(proposed)
         turn.sync_eagerly()
 

@@ -69,6 +69,7 @@ class ErrorCode:
     VOCAB_MISMATCH = "vocab_mismatch"
     CONTEXT_FULL = "context_full"
     BUSY = "busy"
+    EXPLORE_LIMITED = "explore_limited"  # an exploration request over the key's budget: declined, the session goes on
     INTERNAL = "internal"
 
 
@@ -221,6 +222,9 @@ class Generate:
     max_tokens: int = 1
     hidden: np.ndarray | None = None
     lookahead: bool = False
+    # v3: the device's router kept this position; it is asked at random for an unbiased label (exploration).
+    # Counted against the key's exploration budget: over it, `error(explore_limited)` and nothing changes.
+    explore: bool = False
 
 
 @dataclass(slots=True)
@@ -337,6 +341,7 @@ class TextGenerate:
     at_word: bool = True
     hidden: np.ndarray | None = None
     lookahead: bool = False  # list the cloud's most likely next pieces with the reply (its guess)
+    explore: bool = False  # v3: exploration, as in `generate`
 
 
 @dataclass(slots=True)

@@ -96,6 +96,7 @@ SLOW_MODULES = {
     "test_voice_e2e",
     # cloud servers on loopback (started by the module's own fixtures or tests)
     "test_server_abuse",
+    "test_exploration",
     "test_cloud_server",
     "test_cpus",
     "test_replay_e2e",

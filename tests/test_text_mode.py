@@ -342,6 +342,7 @@ def _turn(gen, edge: LlamaModel, prompt: list[int]) -> Turn:
         decoder=gen.decoder,
         router=gen.router,
         policy=gen.policy,
+        engine=gen.engine,
         rule=AnswerRule(gen.opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog)),
         cloud=gen.cloud,
         sampler=Sampler(gen.opts.sampling()),

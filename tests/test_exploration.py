@@ -1,0 +1,155 @@
+"""Exploration that cannot be gamed, and the routing watch's alarm.
+
+The device asks the cloud, at random, about positions its router kept (--explore); the cloud
+serves them from its key's exploration budget and declines the rest without harming the
+session. The server compares each session's routing with the fleet's band and raises an alarm
+(metric, log, audit log) when a session leaves it. Real servers on loopback, the real models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cloud_server.local import LocalCloudServer
+from cloud_server.routing_watch import RoutingWatch, SessionRouting
+from models.registry import DEFAULT_CLOUD_MODEL
+from shared.decision_engine import Exploration
+from tests.conftest import LONG_QUESTIONS, QUESTIONS, chat
+from tests.helpers import make_generator, metric, wait_for
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_exploration_draws_at_random_within_its_budget():
+    clock = Clock()
+    e = Exploration(1.0, per_minute=3, clock=clock)
+    assert [e.pick() for _ in range(5)] == [True, True, True, False, False]  # a full bucket, then empty
+    clock.t = 20.0  # 3 a minute: one more after 20 s
+    assert [e.pick() for _ in range(3)] == [True, False, False]
+    assert not any(Exploration(0.0, 100).pick() for _ in range(1000))
+    share = sum(Exploration(0.25, 1e9).pick() for _ in range(4000)) / 4000
+    assert 0.2 < share < 0.3
+    with pytest.raises(ValueError, match="--explore"):
+        Exploration(1.5, 6)
+    with pytest.raises(ValueError, match="--explore-per-minute"):
+        Exploration(0.1, -1)
+
+
+def session(asked: int, positions: int = 100, checked: int = 0, overruled: int = 0) -> SessionRouting:
+    return SessionRouting(positions=positions, asked=asked, checked=checked, overruled=overruled)
+
+
+def test_the_watch_learns_the_fleets_band_and_flags_a_session_outside_it():
+    watch = RoutingWatch(quantile=0.01, min_sessions=20, min_positions=64)
+    for i in range(19):
+        assert watch.check(session(25 + i % 10, checked=80, overruled=4 + i % 4), final=True) == []
+    assert watch.band("routed_share") is None  # not trusted before 20 sessions
+    watch.check(session(30, checked=80, overruled=5), final=True)
+    low, high = watch.band("routed_share")
+    assert low <= 0.25 and 0.34 <= high < 0.4
+    # a session that keeps every token on the device while the check overrules a third of its drafts
+    odd = session(0, positions=0, checked=0)
+    assert watch.check(odd) == []  # too few positions to judge
+    odd.positions, odd.checked, odd.overruled = 70, 70, 24
+    alarms = {(a.signal, a.side) for a in watch.check(odd)}
+    assert alarms == {("routed_share", "low"), ("overrule_rate", "high")}
+    odd.positions += 64
+    assert watch.check(odd, final=True) == []  # each alarms once
+    assert watch.band("routed_share")[0] <= 0.25  # the odd session did not widen the band it broke
+    assert watch.bands["routed_share"].sessions == 20
+
+
+@pytest.fixture(scope="module")
+def stingy_server():
+    """A cloud whose keys may explore twice a minute."""
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=["--key-explore-per-minute", "2"]) as server:
+        yield server
+
+
+@pytest.fixture()
+def watched_server(tmp_path):
+    """A new cloud (a fleet of its own) whose routing watch trusts its band after 3 sessions, with an
+    audit log."""
+    args = ["--alarm-min-sessions", "3", "--audit-dir", str(tmp_path)]
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
+        yield server
+
+
+@pytest.mark.parametrize("text_mode", ["never", "always"])
+def test_explored_positions_past_the_keys_budget_are_declined_and_the_session_goes_on(
+    edge_model, stingy_server, text_mode
+):
+    """Every position is explored (the router keeps them all: threshold 1); the key's budget
+    of 2 a minute is served, the rest declined: written by the device, not fallbacks, not
+    degraded, and the session survives more declines than the server's error limit (32) would
+    allow, in tokens and in text mode."""
+    served0 = metric(stingy_server, "tokenrouter_explored_total")
+    gen = make_generator(
+        edge_model, stingy_server, threshold=1.0, explore=1.0, explore_per_minute=1000, text_mode=text_mode
+    )
+    answers = []
+    try:
+        for _ in range(6):  # one chat answered again on one session until its declines pass the error limit
+            answers.append(gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=48))
+            link = gen.link
+            assert link is not None and link.connected
+            if len(answers) == 1:
+                first_link = link
+            assert link is first_link  # the same session: declines do not close it
+            if sum(a.explore_declined for a in answers) > 40:
+                break
+    finally:
+        gen.close()
+    served = metric(stingy_server, "tokenrouter_explored_total") - served0
+    assert served <= 2  # the key's budget (shared by both modes' runs)
+    assert sum(a.round_trips for a in answers) == served
+    for a in answers:
+        assert a.shared_history == ("text" if text_mode == "always" else "tokens")
+        assert not a.degraded and a.traffic.reconnects == 0 and a.cloud_timeouts == 0
+        explored = a.explored_positions
+        assert explored == sorted(set(explored)) and len(explored) >= a.n_tokens - a.n_cloud_tokens
+        assert a.explore_declined == len(explored) - a.round_trips
+        assert a.to_json()["explored_positions"] == explored
+        assert a.to_json()["explore_declined"] == a.explore_declined
+    assert sum(a.explore_declined for a in answers) > 40
+
+
+def test_a_session_that_routes_unlike_the_fleet_raises_an_alarm(edge_model, watched_server, tmp_path):
+    """Three sessions that route as calibrated (30 % of positions), then one that keeps every token on
+    the device (threshold 1): the server's routing watch alarms on its routed share, counts it in
+    /metrics and keeps its audit log with the alarm named."""
+
+    def one_session(threshold: float, questions: list[str], **options: object) -> None:
+        gen = make_generator(edge_model, watched_server, threshold=threshold, **options)
+        try:
+            n = 0
+            for q in questions:
+                n += gen.generate(chat(q), max_tokens=48).n_tokens
+                if n >= 80:
+                    break
+            assert n >= 64, "too short a session to be judged"
+        finally:
+            gen.close()
+
+    before = metric(watched_server, 'tokenrouter_routing_alarms_total{side="low",signal="routed_share"}')
+    for i in range(3):
+        one_session(0.5, LONG_QUESTIONS[i * 3 :] + QUESTIONS, cloud_fraction=0.3)
+    assert metric(watched_server, "tokenrouter_routing_alarms_total") == before  # calibrated sessions: none
+    one_session(1.0, LONG_QUESTIONS)
+    low = 'tokenrouter_routing_alarms_total{side="low",signal="routed_share"}'
+    wait_for(lambda: metric(watched_server, low) > before, 5)  # raised when the session closes
+    assert metric(watched_server, low) == before + 1
+
+    def alarmed() -> list[dict]:
+        index = [json.loads(line) for p in tmp_path.glob("*/index.jsonl") for line in p.open()]
+        return [e for e in index if e.get("alarms")]
+
+    alarmed = wait_for(alarmed, 5)  # the audit log is written after the connection closed
+    assert len(alarmed) == 1 and alarmed[0]["flagged"] and "routed_share 0.00 is low" in alarmed[0]["alarms"][0]
