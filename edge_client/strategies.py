@@ -40,7 +40,7 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, Step, draft_ends
-from shared.decision_engine import DEVICE, DecisionEngine, Exploration, Position, checked_tier
+from shared.decision_engine import DecisionEngine, Exploration, Position, engine_flags
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
@@ -92,15 +92,8 @@ class Turn:
         """The router's score at this position and the decision engine's (is it hard?)."""
         t0 = time.perf_counter()
         score = self.router.score(hidden, logits, proposed)
-        at = self.position
-        at.index, at.proposed, at.score, at.hidden, at.logits = (
-            len(self.decoder.history) - self.prompt_len,
-            proposed,
-            score,
-            hidden,
-            logits,
-        )
-        hard = checked_tier(self.engine, self.engine.decide(at)) != DEVICE
+        index = len(self.decoder.history) - self.prompt_len
+        hard = engine_flags(self.engine, self.position, index, proposed, score, hidden, logits)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
         return score, hard
 

@@ -207,6 +207,22 @@ def build_engine(spec: str, setup: EngineSetup) -> DecisionEngine:
     return engine
 
 
+def engine_flags(
+    engine: DecisionEngine,
+    at: Position,
+    index: int,
+    proposed: int,
+    score: float,
+    hidden: np.ndarray,
+    logits: np.ndarray,
+) -> bool:
+    """Is this position hard? `engine` decides, shown `at` (a reused Position, filled here). The one
+    call the device's generator (edge_client/strategies.py, `Turn.flag`) and the trainer's eval
+    (models/train/evaluate.py) both make."""
+    at.index, at.proposed, at.score, at.hidden, at.logits = index, proposed, score, hidden, logits
+    return checked_tier(engine, engine.decide(at)) != DEVICE
+
+
 def checked_tier(engine: DecisionEngine, tier: int) -> int:
     """`tier` if this pool has it, else an error naming the engine (an engine bug must not pass as a route)."""
     if tier == DEVICE or tier == CLOUD:

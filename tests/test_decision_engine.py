@@ -171,3 +171,32 @@ def test_the_command_line_runs_an_installed_engine(budget_installed):
     p = ask("--decision-engine", "budgit")
     assert p.returncode != 0 and "no decision engine 'budgit' is installed" in p.stderr
     assert "budget" in p.stderr  # the installed ones are listed
+
+
+def test_the_eval_asks_the_same_engine(on_path):
+    """`tokenrouter-train eval --decision-engine`: every routed method's engine is built around its
+    policy, as on the device, so an operator's engine is evaluated offline on the same prompts.
+    The budget engine capped at one cloud position per answer routes at most that many per prompt
+    at every target, and the result names the engine; the built-in one routes more at 50 %."""
+    from models.train.cli import DEFAULT_ROUTER
+    from models.train.evaluate import EvalOptions, evaluate
+
+    prompts = ["how do i reset my wifi router", "what is the capital of france"]
+    results = {}
+    for spec in ("budget:max_cloud=1", BUILTIN_ENGINE):
+        opts = EvalOptions(
+            DEFAULT_ROUTER,
+            "smollm2-135m-q3_k_s",
+            "smollm2-135m-q4_1",
+            fractions=(0.5,),
+            max_tokens=16,
+            progress=False,
+            decision_engine=spec,
+        )
+        results[spec] = evaluate(prompts, opts)
+        assert results[spec]["decision_engine"] == spec
+    for method in ("learned", "entropy", "random"):
+        capped = next(p for p in results["budget:max_cloud=1"]["methods"][method] if p["target_fraction"] == 0.5)
+        free = next(p for p in results[BUILTIN_ENGINE]["methods"][method] if p["target_fraction"] == 0.5)
+        assert round(capped["cloud_fraction"] * capped["n_tokens"]) <= len(prompts), (method, capped)  # (rounded share)
+        assert free["cloud_fraction"] > capped["cloud_fraction"], (method, free, capped)

@@ -29,6 +29,7 @@ from models.train.recheck import rerecord
 from models.train.report import write_report
 from models.train.text_eval import TextEvalOptions, evaluate_text
 from shared.decision import TIE_NATS
+from shared.decision_engine import BUILTIN_ENGINE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROUTERS_DIR = REPO_ROOT / "models" / "routers"
@@ -214,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate only these target cloud fractions (repeatable; default 0.1 ... 0.9)",
     )
     p.add_argument(
+        "--decision-engine",
+        default=BUILTIN_ENGINE,
+        metavar="NAME[:KEY=VALUE,...]",
+        help="who decides the router's positions in every routed method, as on the device: the built-in 'router' "
+        "or an installed engine (docs/architecture.md, 'The token hook')",
+    )
+    p.add_argument(
         "--cloud-engine",
         metavar="URL",
         help="an OpenAI-compatible completions server of the cloud model (e.g. http://127.0.0.1:8000/v1): every "
@@ -321,6 +329,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         tie_nats=args.tie_nats,
         cloud_engine=args.cloud_engine,
         cloud_engine_format=args.cloud_engine_format,
+        decision_engine=args.decision_engine,
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     bar = None
@@ -366,6 +375,7 @@ def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> 
         router=args.router,
         lookahead=tuple(args.lookahead),
         lookahead_nats=(args.lookahead_nats or [1.0])[0],
+        decision_engine=args.decision_engine,
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     result = evaluate_text(prompts, opts)

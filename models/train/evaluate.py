@@ -3,7 +3,8 @@
 For every prompt and configuration the edge model writes easy tokens and the
 cloud model writes routed ones (greedy), exactly by the generator's rule:
 proposed = edge greedy token, score = router.score(hidden, logits, proposed),
-hard = RoutingPolicy.decide(score), token = cloud greedy token if hard. Both
+hard = the decision engine's choice (shared/decision_engine.py; the built-in one is
+RoutingPolicy.decide(score)), token = cloud greedy token if hard. Both
 models run in-process (no server), all configurations of a batch of prompts
 stepped together (pair.py); the cloud's logits at every position also give
 the primary measure for free:
@@ -74,6 +75,8 @@ from shared.decision import (
     draft_ends,
     judge_draft,
 )
+from shared.decision_engine import BUILTIN_ENGINE, DecisionEngine, EngineSetup, build_engine, engine_flags
+from shared.decision_engine import Position as EnginePosition
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -119,6 +122,9 @@ class EvalOptions:
     cloud_engine: str | None = None  # a remote completions engine's URL: lookahead/check methods also run "@remote"
     cloud_engine_format: str = "ids"  # its prompt format: "ids", or "text" (llama-cpp-python's server)
     sync_every: int = SYNC_EVERY  # the generator's eager sync (GeneratorOptions.sync_every), for the work model
+    # who decides the router's positions, as on the device (--decision-engine; shared/decision_engine.py): each
+    # method's engine is built around that method's policy
+    decision_engine: str = BUILTIN_ENGINE
 
 
 @dataclass(slots=True)
@@ -128,6 +134,8 @@ class _Run:
     prompt: int
     policy: RoutingPolicy | None  # None: edge-only / cloud-only
     router: Any = None
+    engine: DecisionEngine | None = None  # decides the positions the router scores (built around `policy`)
+    position: EnginePosition = field(default_factory=EnginePosition)  # what the engine is shown, reused
     cloud_only: bool = False
     rule: AnswerRule | None = None  # the generator's per-position rule (shared/decision.py); None: the router alone
     guessed: int = 0  # cloud tokens taken from a lookahead guess (no round trip)
@@ -212,6 +220,9 @@ def _runs_for(
             if r.remote:  # its own policy and rule state (the twin's are shared objects otherwise)
                 r.policy = RoutingPolicy(r.policy.config) if r.policy is not None else None
                 r.rule = AnswerRule(r.rule.options, clause_ends) if r.rule is not None else None
+    for r in runs:  # each routed run's engine, around its own policy (as the device builds it)
+        if r.policy is not None:
+            r.engine = build_engine(opts.decision_engine, EngineSetup(r.policy, {}, opts.edge_model, opts.cloud_model))
     return runs
 
 
@@ -271,6 +282,7 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     if opts.cloud_engine:
         result["cloud_engine"] = {"url": opts.cloud_engine, "prompt_format": opts.cloud_engine_format}
     result["edge_model"], result["cloud_model"] = edge_info.name, cloud_info.name
+    result["decision_engine"] = opts.decision_engine
     return result
 
 
@@ -297,6 +309,8 @@ def _decode(
             run_prompt[id(r)] = i
             if r.policy is not None:
                 r.policy.start_answer()
+            if r.engine is not None:
+                r.engine.start_answer()
             if r.rule is not None:
                 r.rule.start_answer()
             if r.rule is not None or r.cloud_only:
@@ -388,7 +402,10 @@ def _routed_token(
         key = (id(run.router), seq)
         if isinstance(run.router, RandomRouter) or key not in cache:
             cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
-        flagged = run.policy.decide(cache[key])
+        assert run.engine is not None
+        flagged = engine_flags(
+            run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits
+        )
     step = rule.step(flagged, guess, proposed)
     tok = proposed
     if step is Step.GUESS_TAKE:

@@ -40,6 +40,8 @@ import numpy as np
 from models.registry import model_info
 from models.train.gap import gap_interval
 from shared.decision import AnswerRule, RuleOptions, Step, cloud_choice
+from shared.decision_engine import BUILTIN_ENGINE, DecisionEngine, EngineSetup, build_engine, engine_flags
+from shared.decision_engine import Position as EnginePosition
 from shared.learned_router import LearnedRouter, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -66,6 +68,7 @@ class TextEvalOptions:
     router: Path | None = None  # the learned router for this pair (None: entropy and random only)
     lookahead: tuple[str, ...] = ()  # methods also run with the cloud's text guess, as "<method>+lookahead@<nats>"
     lookahead_nats: float = 1.0
+    decision_engine: str = BUILTIN_ENGINE  # who decides the router's positions (shared/decision_engine.py)
 
 
 class _Side:
@@ -190,20 +193,21 @@ def _routed(
     eprompt: list[int],
     cprompt: list[int],
     router: Router | None,
-    policy: RoutingPolicy | None,
+    engine: DecisionEngine | None,
     max_tokens: int,
     always: bool = False,
     also: Router | None = None,
     lookahead_nats: float | None = None,
 ) -> _Answer:
     """One answer by the text-mode rule (the module docstring). `router` None: the device alone
-    (`always`: the cloud at every position). `lookahead_nats`: after each span the cloud's text
+    (`always`: the cloud at every position); `engine` decides the router's positions, as on the device. `lookahead_nats`: after each span the cloud's text
     guess decides the next position (shared/decision.py's rule, as the generator's TextPerToken)."""
     sampler = Sampler(SamplingParams())
     edge.start(eprompt)
     cloud.start(cprompt)
-    if policy is not None:
-        policy.start_answer()
+    if engine is not None:
+        engine.start_answer()
+    at = EnginePosition()
     rule = AnswerRule(RuleOptions(lookahead_nats is not None, lookahead_nats or 0.0, "off"), lambda _: False)
     text_guess: TextGuess | None = None
     a = _Answer()
@@ -226,7 +230,7 @@ def _routed(
             a.scores.append(score)
             if also is not None:
                 a.also.append(also.score(hidden, logits, proposed))
-            hard = always or (policy is not None and policy.decide(score))
+            hard = always or (engine is not None and engine_flags(engine, at, n, proposed, score, hidden, logits))
             if hard and complete_utf8(a.text) == len(a.text):
                 span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
                 n += _take_cloud_text(a, edge, cloud.view.join(a.text, span)[len(a.text) :], max_tokens - n)
@@ -298,7 +302,9 @@ def evaluate_text(
                     else:
                         router = RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
                     policy = RoutingPolicy(PolicyConfig("router", threshold=thresholds[method]))
-                    got.append(_routed(edge, cloud, e, c, router, policy, opts.max_tokens, lookahead_nats=nats))
+                    setup = EngineSetup(policy, {}, opts.edge_model, opts.cloud_model)
+                    engine = build_engine(opts.decision_engine, setup)
+                    got.append(_routed(edge, cloud, e, c, router, engine, opts.max_tokens, lookahead_nats=nats))
                 answers[(name, f)] = got
             if on_progress is not None:
                 on_progress(1)
@@ -337,6 +343,7 @@ def evaluate_text(
         "measure": "cloud model NLL per byte of the answer text (lower is better)",
         "edge_model": edge_info.name,
         "cloud_model": cloud_info.name,
+        "decision_engine": opts.decision_engine,
         "n_prompts": len(prompts),
         "max_tokens": opts.max_tokens,
         "points": points,
