@@ -15,8 +15,9 @@ it, protocol v2): without `verify` the check falls back to the per-token
 phase, without `guess` lookahead is off (`negotiated`); the answer says which
 mode it used (`cloud_mode`). Where the cloud's model tokenizes differently (or
 `text_mode` is "always") the session shares the answer as text (protocol v3):
-hard positions get the cloud's text span (`TextPerToken`), the check judges
-each clause's text (`TextClauseCheck`), and the answer says so (`shared_history`: "text").
+the same strategies carry it out through the text history (edge_client/
+shared_history.py: hard positions get the cloud's text span, the check judges
+each clause's text), and the answer says so (`shared_history`: "text").
 
     with open_generator(GeneratorOptions(cloud="local")) as gen:
         answer = gen.generate([{"role": "user", "content": "Hi"}], on_token=print)
@@ -39,19 +40,8 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.local_cloud import loopback_cloud
 from edge_client.message_end import MessageEnd, user_message_start
 from edge_client.options import GeneratorOptions
-from edge_client.strategies import (
-    ClauseCheck,
-    CloudStream,
-    DeviceOnly,
-    DraftVerify,
-    PerToken,
-    Span,
-    Strategy,
-    TextClauseCheck,
-    TextPerToken,
-    TextStream,
-    Turn,
-)
+from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVerify, PerToken, Span, Strategy
+from edge_client.turn import Turn
 from edge_client.writer import AnswerWriter
 from models.registry import model_info
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RuleOptions
@@ -336,23 +326,18 @@ class RoutedGenerator:
             return _DEVICE_ONLY  # a per-answer choice of the device: no router
         if not use_cloud or not turn.cloud.up:
             return self._per_token  # policy edge, or a lost cloud: the device finishes (fallbacks logged)
-        if turn.cloud.text:  # text mode: hard positions, streams, and the check (docs/protocol.md)
-            if mode == "cloud":
-                return _TEXT_STREAM
-            return _TEXT_CHECK if turn.rule.checking else _TEXT_PER_TOKEN
         if mode == "cloud":
             return _STREAM
         if turn.rule.checking:
             return _CHECK
+        if turn.cloud.text:  # replay's span and verify strategies share tokens only (docs/protocol.md)
+            return PER_TOKEN_STRATEGIES["per-token"]
         return self._per_token
 
 
 _DEVICE_ONLY = DeviceOnly()
 _STREAM = CloudStream()
 _CHECK = ClauseCheck()
-_TEXT_PER_TOKEN = TextPerToken()
-_TEXT_STREAM = TextStream()
-_TEXT_CHECK = TextClauseCheck()
 
 
 BASE_MODEL_NOTE = "it continues text and was not tuned to answer, so what it writes may not read as an answer"

@@ -4,7 +4,7 @@ When the device's and the cloud's models do not share a tokenizer (or the device
 mode with `--text-mode always`), the two sides agree on the BYTES of the answer, not on token
 ids. Each side renders the chat (`hello.messages`) with its own template and holds its own token
 history: its prompt, then its own tokenization of the answer text. Both the device
-(edge_client/strategies.py, `TextPerToken`) and the cloud (cloud_server/text_session.py) call
+(edge_client/shared_history.py, `TextHistory`) and the cloud (cloud_server/text_session.py) call
 this module; no second copy of the rule exists.
 
 **Histories are the truth, KV caches follow.** After any change of the answer text, a side
@@ -238,7 +238,7 @@ class SpanWriter:
 def device_pieces(model: LlamaModel, text: bytes, eog: bool, room: int) -> tuple[list[int], bytes]:
     """The cloud's text as the device's own tokens (its end of turn after, when `eog`), cut to the
     answer's `room` in device tokens: whole characters only, as the device alone would stop there.
-    Returns (the tokens, the text they keep). The device (`Turn.take_text`) and the text eval both cut here."""
+    Returns (the tokens, the text they keep). The device (`TextHistory.take_text`) and the text eval both cut here."""
     # (text on the wire is whole characters; "ignore" only matters for the device's own kept text of a
     # check, which may start inside a character its previous token left unfinished)
     pieces = model.tokenize(text.decode("utf-8", "ignore"), parse_special=False) if text else []

@@ -17,7 +17,8 @@ from websockets.sync.client import connect
 from cloud_server.local import LocalCloudServer
 from edge_client.answer import Answer
 from edge_client.cloud_link import CloudLink, CloudRejected, CloudText
-from edge_client.strategies import Turn
+from edge_client.shared_history import TEXT
+from edge_client.turn import Turn
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare
 from shared.kernel_noise import KERNEL_NOISE_NATS
@@ -335,7 +336,7 @@ def test_cloud_rolls_back_across_a_token_boundary(gemma_server, gemma_info, edge
 
 
 def _turn(gen, edge: LlamaModel, prompt: list[int]) -> Turn:
-    """A Turn as RoutedGenerator._generate builds it (for driving `take_text` directly)."""
+    """A Turn as RoutedGenerator._generate builds it (for driving the text history's `take_text` directly)."""
     answer = Answer(policy="router")
     return Turn(
         model=edge,
@@ -370,7 +371,7 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
         gen.decoder.set_history(prompt + view.tokens(b"Hello wor"))
         gen.decoder.next_distribution()  # " wor" is in the KV cache
         turn = _turn(gen, edge_model, prompt)
-        turn.take_text(CloudText(b"ld! How", 3, -1.0, False), 0.9)
+        TEXT.take_text(turn, CloudText(b"ld! How", 3, -1.0, False), 0.9)
         assert gen.decoder.history == prompt + view.tokens(b"Hello world! How")
         assert gen.decoder._n_decoded == len(prompt) + 1, "the cache kept 'Hello' and dropped ' wor'"
         logits = gen.decoder.next_distribution()[0].copy()
@@ -382,7 +383,7 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
         a = turn.answer
         assert b"".join(edge_model.token_bytes(t) for t in a.tokens) == b"ld! How" and set(a.routes) == {"cloud"}
         assert a.scores[0] == 0.9 and all(s is None for s in a.scores[1:])
-        turn.take_text(CloudText(b"", 1, -0.1, True), None)
+        TEXT.take_text(turn, CloudText(b"", 1, -0.1, True), None)
         assert turn.finished() and a.tokens[-1] == edge_model.eog_token, "the cloud's end of answer ends it"
     finally:
         gen.close()

@@ -169,7 +169,7 @@ def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) ->
 
 
 def _take_cloud_text(a: _Answer, edge: _Side, added: bytes, room: int) -> int:
-    """The cloud's text joins the answer, as `Turn.take_text` does on the device: cut to the
+    """The cloud's text joins the answer, as `TextHistory.take_text` does on the device: cut to the
     answer's room in device tokens (whole characters: `device_pieces`), counted as cloud bytes, the
     device's history re-tokenized. Returns the device positions it took (at least one)."""
     pieces, added = device_pieces(edge.model, added, False, room)
@@ -201,7 +201,7 @@ def _routed(
 ) -> _Answer:
     """One answer by the text-mode rule (the module docstring). `router` None: the device alone
     (`always`: the cloud at every position); `engine` decides the router's positions, as on the device. `lookahead_nats`: after each span the cloud's text
-    guess decides the next position (shared/decision.py's rule, as the generator's TextPerToken)."""
+    guess decides the next position (shared/decision.py's rule, as the generator's PerToken over the text history)."""
     sampler = Sampler(SamplingParams())
     edge.start(eprompt)
     cloud.start(cprompt)

@@ -1,0 +1,149 @@
+"""One answer being written (`Turn`): what every strategy reads and extends, and the check's draft.
+
+The generator (edge_client/generator.py) builds a Turn per answer; a strategy
+(edge_client/strategies.py) extends it position by position, and where the cloud
+writes, the session's shared history (edge_client/shared_history.py: tokens or
+text) carries that out on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_client.answer import Answer, Route
+from edge_client.cloud_session import CloudSession
+from edge_client.decoder import EdgeDecoder
+from edge_client.options import GeneratorOptions
+from edge_client.writer import AnswerWriter
+from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
+from shared.decision_engine import DecisionEngine, Exploration, Position, engine_flags
+from shared.llama_backend import LlamaModel
+from shared.policy import RoutingPolicy
+from shared.router import Router
+from shared.sampling import Sampler
+from shared.text_history import AnswerText, TextGuess
+
+
+@dataclass(slots=True)
+class Turn:
+    """One answer being written: what every strategy reads and extends."""
+
+    model: LlamaModel
+    decoder: EdgeDecoder
+    router: Router
+    policy: RoutingPolicy
+    engine: DecisionEngine  # decides the positions the router scores (the token hook)
+    rule: AnswerRule
+    cloud: CloudSession
+    sampler: Sampler
+    opts: GeneratorOptions
+    out: AnswerWriter
+    clause_ends: ClauseEnds
+    overruled: OverruledShare
+    max_tokens: int
+    stop: threading.Event | None = None
+    router_ms: list[float] = field(default_factory=list)
+    text: AnswerText | None = None  # text mode: the device model's view of the answer text
+    prompt_len: int = 0  # where the answer starts in the decoder's history
+    text_guess: TextGuess | None = None  # text mode: the cloud's guess that came with its last span
+    position: Position = field(default_factory=Position)  # what the engine is shown, reused at each position
+    exploration: Exploration | None = None  # asks the cloud at random where the engine kept the device's token
+
+    @property
+    def answer(self) -> Answer:
+        return self.out.answer
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def room(self) -> int:
+        """How many more tokens the answer may take."""
+        return self.max_tokens - len(self.answer.tokens)
+
+    def finished(self) -> bool:
+        tokens = self.answer.tokens
+        return (bool(tokens) and self.model.is_eog(tokens[-1])) or self.room() <= 0 or self.stopped()
+
+    def flag(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> tuple[float, bool]:
+        """The router's score at this position and the decision engine's (is it hard?)."""
+        t0 = time.perf_counter()
+        score = self.router.score(hidden, logits, proposed)
+        index = len(self.decoder.history) - self.prompt_len
+        hard = engine_flags(self.engine, self.position, index, proposed, score, hidden, logits)
+        self.router_ms.append((time.perf_counter() - t0) * 1000.0)
+        return score, hard
+
+    def explore(self, flagged: bool | None) -> bool:
+        """Exploration: ask the cloud about this position although the engine kept it (`flagged` False)?
+        Recorded in the answer's `explored_positions`."""
+        if flagged is not False or self.exploration is None or not self.cloud.up or not self.exploration.pick():
+            return False
+        self.answer.explored_positions.append(len(self.answer.tokens))
+        return True
+
+    def write(
+        self, token: int, route: Route, score: float | None, fallback: bool = False, lookahead: bool = False
+    ) -> None:
+        """Append a final token to the device's history and release it."""
+        self.decoder.append(token)
+        self.out.release(token, route, score, fallback, lookahead=lookahead)
+
+    def settle(self, start: int, drafts: list[int], accepted: int, token: int) -> None:
+        """Apply a verdict to drafts the device's history holds from `start`: keep the first
+        `accepted`, then the cloud's `token` (if >= 0). The kept drafts stay decoded."""
+        if token >= 0:
+            self.decoder.truncate(start + accepted)
+            self.decoder.append(token)
+
+    def sync_eagerly(self) -> None:
+        """Send the final device tokens the cloud lacks once there are `sync_every` of them."""
+        cloud, every = self.cloud, self.opts.sync_every
+        if cloud.up and every > 0 and len(self.decoder.history) - cloud.cloud_len >= every:
+            cloud.sync(self.decoder.history)
+
+
+@dataclass(slots=True)
+class ClauseDraft:
+    """The device's draft of one clause, as the cloud's check sends it: the router's flag and score
+    at each drafted token, and the hidden state at each flagged one (hard tokens travel with it)."""
+
+    flagged: list[bool] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    hard_hidden: list[np.ndarray] = field(default_factory=list)
+
+    def hidden(self) -> np.ndarray | None:
+        return np.stack(self.hard_hidden) if self.hard_hidden else None
+
+    def release_unchecked(self, turn: Turn, drafts: list[int]) -> None:
+        """No verdict came (the cloud is lost or slow): the drafts stand, flagged ones as fallbacks."""
+        for token, score, flag in zip(drafts, self.scores, self.flagged):
+            turn.out.release(token, "edge", score, fallback=flag)
+
+
+def draft_clause(turn: Turn) -> ClauseDraft | None:
+    """Draft on the device to a clause end and one token more (or `check_max_draft` tokens, or the
+    answer's end), appended to the decoder's history; None if the turn was stopped meanwhile (the
+    draft is then taken back)."""
+    dec = turn.decoder
+    start = len(dec.history)
+    draft = ClauseDraft()
+    room, past_clause_end = min(turn.room(), turn.opts.check_max_draft), False
+    while True:
+        logits, hidden = dec.next_distribution()
+        proposed = turn.sampler.sample(logits)
+        score, hard = turn.flag(hidden, logits, proposed)
+        if hard:
+            draft.hard_hidden.append(hidden.astype(np.float16))  # a copy: the view dies with the next decode
+        draft.flagged.append(hard)
+        draft.scores.append(score)
+        dec.append(proposed)
+        if turn.stopped():
+            dec.truncate(start)
+            return None
+        if turn.model.is_eog(proposed) or draft_ends(len(draft.scores), past_clause_end, room):
+            return draft
+        past_clause_end = turn.clause_ends(proposed)
