@@ -90,14 +90,7 @@ class Quotas:
         return self._sessions.get(key_name, 0)
 
     def take_cloud_tokens(self, key: KeyPolicy, n: int) -> None:
-        if key.tokens_per_minute is None:
-            return
-        with self._lock:
-            b = self._buckets.get(key.name)
-            if b is None:
-                tpm = float(key.tokens_per_minute)
-                b = self._buckets[key.name] = _Bucket(capacity=tpm, rate=tpm / 60.0, level=tpm)
-            wait = b.take(n)
+        wait = self._take(self._buckets, key.name, key.tokens_per_minute, n)
         if wait:
             raise QuotaExceeded(
                 f"key {key.name!r} used its {key.tokens_per_minute} cloud tokens per minute; retry in {wait:.1f} s",
@@ -106,20 +99,25 @@ class Quotas:
 
     def take_explore(self, key: KeyPolicy) -> None:
         """One exploration request, from the key's budget (a token bucket shared by its sessions)."""
-        if key.explore_per_minute is None:
-            return
-        with self._lock:
-            b = self._explore.get(key.name)
-            if b is None:
-                epm = float(key.explore_per_minute)
-                b = self._explore[key.name] = _Bucket(capacity=max(epm, 1.0), rate=epm / 60.0, level=epm)
-            wait = b.take() if key.explore_per_minute > 0 else float("inf")
-        if wait:
+        if self._take(self._explore, key.name, key.explore_per_minute, 1):
             raise QuotaExceeded(
                 f"key {key.name!r} used its {key.explore_per_minute} exploration requests per minute; the device "
                 "writes this position",
                 "key_explore_per_minute",
             )
+
+    def _take(self, buckets: dict[str, _Bucket], name: str, per_minute: int | None, n: int) -> float:
+        """Take `n` from `name`'s bucket of `per_minute` (None: no limit; 0: none at all); returns 0 when
+        granted, else the seconds until it would be."""
+        if per_minute is None:
+            return 0.0
+        if per_minute <= 0:
+            return float("inf")
+        with self._lock:
+            b = buckets.get(name)
+            if b is None:
+                b = buckets[name] = _Bucket(capacity=float(per_minute), rate=per_minute / 60.0, level=float(per_minute))
+            return b.take(n)
 
 
 class SessionGuard:

@@ -72,6 +72,17 @@ def test_quotas_sessions_and_token_bucket():
         q.take_cloud_tokens(key, 1)
     assert exc.value.kind == "key_tokens_per_minute"
     q.take_cloud_tokens(KeyPolicy(name="free"), 10**6)  # no limit set: never refused
+    with pytest.raises(QuotaExceeded, match="used its 0 cloud tokens"):  # 0: none at all (was a division by 0)
+        q.take_cloud_tokens(KeyPolicy(name="none", tokens_per_minute=0), 1)
+    explorer = KeyPolicy(name="e", explore_per_minute=2)
+    q.take_explore(explorer)
+    q.take_explore(explorer)
+    with pytest.raises(QuotaExceeded, match="2 exploration requests per minute") as exc:
+        q.take_explore(explorer)
+    assert exc.value.kind == "key_explore_per_minute"
+    q.take_cloud_tokens(explorer, 1)  # a separate budget from its cloud tokens
+    with pytest.raises(QuotaExceeded):
+        q.take_explore(KeyPolicy(name="never", explore_per_minute=0))
 
 
 def test_abuse_guard_flags_over_cap_after_warmup_and_recovers():
