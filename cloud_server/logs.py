@@ -153,5 +153,7 @@ def setup_logging(
         for old in list(lg.handlers):
             lg.removeHandler(old)
         lg.propagate = True
+        lg.setLevel(logging.NOTSET)  # the root's level decides (an earlier uvicorn in this process set its own)
+        lg.disabled = False
     logging.captureWarnings(True)  # warnings.warn lines go through the same format
     return handler
