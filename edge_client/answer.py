@@ -91,6 +91,7 @@ class Answer:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
+    tiers: list[int] = field(default_factory=list)  # who wrote each token: 0 the device, 1 the cloud, 2+ tiers above it
     scores: list[float | None] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # each token's text, as streamed
     emit_ms: list[float] = field(default_factory=list)  # when each token was released, since the answer began
@@ -154,6 +155,7 @@ class Answer:
             "text": self.text,
             "tokens": self.tokens,
             "routes": self.routes,
+            "tiers": self.tiers,
             "scores": [None if s is None else round(s, 6) for s in self.scores],
             "pieces": self.pieces,
             "emit_ms": [round(x, 3) for x in self.emit_ms],

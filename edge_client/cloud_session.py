@@ -256,6 +256,20 @@ class CloudSession:
         except CloudUnavailable as exc:
             self.lose(exc)
 
+    def align(self, history: list[int]) -> None:
+        """In a pool of tiers another tier may rewrite the device's history (a text tier re-tokenizes
+        the answer): roll this token session back to the prefix it shares with `history`, so what it
+        is sent next continues what it holds. A text session aligns by its text already."""
+        link = self.link
+        if link is None or link.mode == "text":
+            return
+        keep = common_prefix(link.held, history)
+        if keep < link.cloud_len:
+            try:
+                link.rollback(keep)
+            except CloudUnavailable as exc:
+                self.lose(exc)
+
     def resync(self, history: list[int]) -> None:
         """Make the cloud hold `history` (a prefill ahead of time; not in text mode, where the
         answer text is shared, not the prompt)."""

@@ -31,13 +31,13 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
-from edge_client.answer import Answer, TokenEvent
+from edge_client.answer import Answer, TokenEvent, Traffic
 from edge_client.cloud_link import CloudLink
 from edge_client.cloud_session import CloudSession
 from edge_client.decoder import EdgeDecoder
-from edge_client.local_cloud import loopback_cloud
+from edge_client.local_cloud import loopback_cloud, tier_clouds
 from edge_client.message_end import MessageEnd, user_message_start
 from edge_client.options import GeneratorOptions
 from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVerify, PerToken, Span, Strategy
@@ -73,9 +73,10 @@ class RoutedGenerator:
         connect: Callable[[], CloudLink] | None = None,
         router: Router | None = None,
         policy: RoutingPolicy | None = None,
+        tier_connects: Sequence[Callable[[], CloudLink]] = (),
     ) -> None:
         """`router` and `policy` default to the ones `opts` names; `connect` opens a link to the
-        cloud (None: device only)."""
+        cloud (None: device only); `tier_connects` to each tier above it (a pool of models)."""
         opts.validate()
         self.edge = edge
         self.opts = opts
@@ -83,19 +84,22 @@ class RoutedGenerator:
             opts.router, edge.n_vocab, edge.info, opts.router_on_mismatch, opts.cloud_model
         )
         self.policy = policy or RoutingPolicy(opts.policy_config(), prior=self.router.threshold_for)
-        self.engine = self._engine(opts, self.policy)
-        self.exploration = opts.exploration()  # kept across answers: its budget is per minute
         self.decoder = EdgeDecoder(edge, n_ctx=opts.n_ctx, threads=opts.threads)
         self.answer_text = AnswerText.for_model(edge)  # text mode: the answer as this model tokenizes it
-        self.cloud = CloudSession(
-            connect,
-            edge.info,
-            opts.sampling(),
-            text_mode=opts.text_mode,
-            reconnects=opts.reconnects,
-            reconnect_wait_s=opts.reconnect_wait_s,
-            answer_text=self.answer_text,
+        self.cloud, *self.tiers = (
+            CloudSession(
+                c,
+                edge.info,
+                opts.sampling(),
+                text_mode=opts.text_mode,
+                reconnects=opts.reconnects,
+                reconnect_wait_s=opts.reconnect_wait_s,
+                answer_text=self.answer_text,
+            )
+            for c in (connect, *(tier_connects if connect is not None else ()))
         )
+        self.engine = self._engine(opts, self.policy)  # for this pool's tiers (above)
+        self.exploration = opts.exploration()  # kept across answers: its budget is per minute
         self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
         self.overruled = OverruledShare()  # running share of tokens the check overruled (the router targets the rest)
         self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
@@ -124,7 +128,8 @@ class RoutedGenerator:
             if (opts.explore, opts.explore_per_minute) != (self.opts.explore, self.opts.explore_per_minute):
                 self.exploration = opts.exploration()
             self.opts = opts
-            self.cloud.reconnects, self.cloud.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
+            for session in (self.cloud, *self.tiers):
+                session.reconnects, session.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
             self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
 
@@ -136,8 +141,8 @@ class RoutedGenerator:
             self.cloud.last_error = ""  # an error of the old target says nothing about the new one
 
     def _engine(self, opts: GeneratorOptions, policy: RoutingPolicy) -> DecisionEngine:
-        """The decision engine the options name, built around `policy`."""
-        setup = EngineSetup(policy, {}, self.edge.info.name, opts.cloud_model)
+        """The decision engine the options name, built around `policy`, for this pool's tiers."""
+        setup = EngineSetup(policy, {}, self.edge.info.name, opts.cloud_model, tiers=2 + len(self.tiers))
         return build_engine(opts.decision_engine, setup)
 
     @property
@@ -249,7 +254,8 @@ class RoutedGenerator:
         return len(tokens) - keep
 
     def close(self) -> None:
-        self.cloud.close()
+        for session in (self.cloud, *self.tiers):
+            session.close()
         self.decoder.close()
 
     # ---------------------------------------------------------------- the loop
@@ -288,7 +294,9 @@ class RoutedGenerator:
             cloud_mode_asked=cloud_mode(mode, use_cloud, self.opts.rule(), self.opts.strategy),
             shared_history=cloud.shared_history if use_cloud else "",
         )
-        traffic0, timeouts0, declined0 = cloud.traffic(), cloud.timeouts, cloud.explore_declined
+        sessions = [cloud, *self.tiers] if use_cloud else [cloud]
+        traffic0 = [s.traffic() for s in sessions]
+        timeouts0, declined0 = sum(s.timeouts for s in sessions), cloud.explore_declined
         turn = Turn(
             model=self.edge,
             decoder=self.decoder,
@@ -307,17 +315,24 @@ class RoutedGenerator:
             stop=stop,
             text=self.answer_text,
             prompt_len=len(prompt),
+            tiers=self.tiers if use_cloud else [],
+            messages=messages,
         )
         while not turn.finished():
             self._strategy(turn, mode, use_cloud).run(turn)
         turn.out.finish(turn.stopped(), turn.router_ms)
-        answer.cloud_timeouts = cloud.timeouts - timeouts0
+        answer.cloud_timeouts = sum(s.timeouts for s in sessions) - timeouts0
         answer.explore_declined = cloud.explore_declined - declined0
         answer.degraded = answer.degraded or (use_cloud and not cloud.up)
         answer.degraded_reason = (cloud.last_error or "the cloud was lost") if answer.degraded else ""
-        answer.traffic = cloud.traffic() - traffic0
+        answer.traffic = sum((s.traffic() - t0 for s, t0 in zip(sessions, traffic0)), Traffic())
+        answer.tiers = [0 if r == "edge" else 1 for r in answer.routes]
+        for start, end, tier in turn.tier_writes:
+            answer.tiers[start:end] = [tier] * (end - start)
         answer.drift = self.router.drift_report()  # learned routers: score distribution vs training (PSI)
-        answer.warnings = base_model_warnings(self.edge.info, answer.cloud_model and cloud.cloud_base_model)
+        answer.warnings = base_model_warnings(
+            self.edge.info, bool(answer.cloud_model) and any(s.cloud_base_model for s in sessions)
+        )
         return answer
 
     def _strategy(self, turn: Turn, mode: str, use_cloud: bool) -> Strategy:
@@ -416,8 +431,8 @@ def open_generator(opts: GeneratorOptions) -> Iterator[RoutedGenerator]:
     opts.validate()
     edge = LlamaModel(model_info(opts.edge_model))
     try:
-        with loopback_cloud(opts) as connect:
-            gen = RoutedGenerator(edge, opts, connect)
+        with loopback_cloud(opts) as connect, tier_clouds(opts) as tier_connects:
+            gen = RoutedGenerator(edge, opts, connect, tier_connects=tier_connects)
             try:
                 yield gen
             finally:

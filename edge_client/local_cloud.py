@@ -33,6 +33,23 @@ def loopback_cloud(opts: GeneratorOptions) -> Iterator[Callable[[], CloudLink] |
 
 
 @contextlib.contextmanager
+def tier_clouds(opts: GeneratorOptions) -> Iterator[list[Callable[[], CloudLink]]]:
+    """How to connect to each tier above the cloud (`opts.tiers`): loopback servers started here
+    (`local:MODEL`, stopped on exit) or remote URLs (with the cloud's key)."""
+    key = opts.api_key or os.environ.get("TOKENROUTER_API_KEY", "")
+    with contextlib.ExitStack() as stack:
+        connects: list[Callable[[], CloudLink]] = []
+        for tier in opts.tiers if not opts.policy_config().device_alone else ():
+            if tier.startswith("local:"):
+                server = stack.enter_context(LocalCloudServer(model=tier[len("local:") :], cpus=opts.cloud_cpus))
+                url, tier_key = server.url, server.api_key
+            else:
+                url, tier_key = tier, key
+            connects.append(lambda url=url, k=tier_key: CloudLink(url, k, timeout_s=opts.cloud_timeout_s))
+        yield connects
+
+
+@contextlib.contextmanager
 def loopback_server(model: str, threads: int = 1, cpus: str = "") -> Iterator[tuple[str, str]]:
     """A cloud server process on loopback for `model` (the replay harness puts its network
     emulator in front), on the CPUs `cpus` names ("" = wherever): yields (WebSocket URL, API key);

@@ -32,6 +32,9 @@ class GeneratorOptions:
     edge_model: str = DEFAULT_EDGE_MODEL
     cloud_model: str = DEFAULT_CLOUD_MODEL  # the model of a `--cloud local` server; names the shipped router
     cloud: str = "local"  # "local" (start a loopback server), "none", or a ws:// URL
+    # More cloud tiers above that one (a pool: device -> cloud -> tier 2 -> ...), each "local:MODEL" (a loopback
+    # server of that model) or a ws:// URL; a decision engine that chooses tiers sends positions up (docs/architecture.md)
+    tiers: tuple[str, ...] = ()
     # The CPUs a `local` server runs on ("2,3"; "" = the device's own): on a machine with cores to spare,
     # a loopback cloud off the device's cores stands for one on other hardware (bench_voice.py --cloud-cpus)
     cloud_cpus: str = ""
@@ -128,6 +131,11 @@ class GeneratorOptions:
             if self.cloud != "local":
                 raise ValueError("cloud_cpus (--cloud-cpus) pins a loopback server: it needs cloud 'local'")
             parse_cpus(self.cloud_cpus)
+        for tier in self.tiers:
+            if not (tier.startswith(("ws://", "wss://")) or (tier.startswith("local:") and len(tier) > 6)):
+                raise ValueError(f"a tier (--tier) is local:MODEL or a ws:// or wss:// URL, not {tier!r}")
+        if self.tiers and self.cloud == "none":
+            raise ValueError("tiers (--tier) stand above the cloud: they need --cloud local or a URL, not none")
         if self.reconnects < 0:
             raise ValueError(f"reconnects (--reconnects) must be >= 0, not {self.reconnects}")
         if not 0 <= self.reconnect_wait_s < float("inf"):

@@ -21,6 +21,14 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cloud", default=D.cloud, help="ws:// URL of a cloud server, 'local' (start one on loopback) or 'none'"
     )
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=None,
+        metavar="local:MODEL|URL",
+        help="another cloud tier above --cloud (repeatable): a pool of models; an engine that chooses tiers "
+        "(e.g. --decision-engine escalate:above=0.8) sends the hardest positions up (docs/architecture.md, 'Tiers')",
+    )
     p.add_argument("--api-key", default=D.api_key, help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
     p.add_argument("--edge-model", default=D.edge_model, help="registered name or .gguf path")
     p.add_argument("--cloud-model", default=D.cloud_model, help="model of the local cloud server")
@@ -145,6 +153,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         edge_model=args.edge_model,
         cloud_model=args.cloud_model,
         cloud=args.cloud,
+        tiers=tuple(args.tier or D.tiers),
         api_key=args.api_key,
         policy=args.policy,
         threshold=D.threshold if args.threshold is None else args.threshold,  # a threshold replaces the target

@@ -30,26 +30,30 @@ from shared.text_history import TokenView, complete_utf8, device_pieces
 
 
 class SharedHistory(Protocol):
-    def guess(self, turn: Turn) -> GuessJudge | None:
+    """Each method acts on `turn` through `cloud`: the session (of a tier) sharing it this way."""
+
+    def guess(self, turn: Turn, cloud: CloudSession) -> GuessJudge | None:
         """The cloud's guess for this position if one came (the rule says when it is due)."""
         ...
 
-    def take_guess(self, turn: Turn, guess: GuessJudge) -> None:
+    def take_guess(self, turn: Turn, cloud: CloudSession, guess: GuessJudge) -> None:
         """Write this position from `guess` (the rule chose it over the device's token)."""
         ...
 
-    def ask(self, turn: Turn, proposed: int, hidden: np.ndarray, score: float | None, explore: bool) -> bool:
+    def ask(
+        self, turn: Turn, cloud: CloudSession, proposed: int, hidden: np.ndarray, score: float | None, explore: bool
+    ) -> bool:
         """The cloud writes this position (and, in text mode, perhaps a few more); False: it could not
         (lost, slow, declined), and nothing was written."""
         ...
 
-    def check(self, turn: Turn, start: int, draft: ClauseDraft) -> None:
+    def check(self, turn: Turn, cloud: CloudSession, start: int, draft: ClauseDraft) -> None:
         """The cloud's check of the clause drafted from history index `start`: release what it keeps,
         its own token where it rejects (the device's history follows); the drafts stand unchecked
         when no verdict comes."""
         ...
 
-    def stream(self, turn: Turn) -> bool:
+    def stream(self, turn: Turn, cloud: CloudSession) -> bool:
         """The cloud writes the rest of the answer; False: the stream broke off."""
         ...
 
@@ -57,20 +61,24 @@ class SharedHistory(Protocol):
 class TokenHistory:
     """Both sides hold the answer as the same tokens (protocol v1/v2, and v3's "tokens" mode)."""
 
-    def guess(self, turn: Turn) -> GuessJudge | None:
-        return turn.cloud.guess(turn.opts.lookahead_wait_s)
+    def guess(self, turn: Turn, cloud: CloudSession) -> GuessJudge | None:
+        return cloud.guess(turn.opts.lookahead_wait_s)
 
-    def take_guess(self, turn: Turn, guess: GuessJudge) -> None:
+    def take_guess(self, turn: Turn, cloud: CloudSession, guess: GuessJudge) -> None:
         turn.write(guess.token, "cloud", None, lookahead=True)  # type: ignore[attr-defined]  # a token Guess
 
-    def ask(self, turn: Turn, proposed: int, hidden: np.ndarray, score: float | None, explore: bool) -> bool:
-        got = turn.cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead, explore=explore)
+    def ask(
+        self, turn: Turn, cloud: CloudSession, proposed: int, hidden: np.ndarray, score: float | None, explore: bool
+    ) -> bool:
+        if turn.tiers:  # another tier may have rewritten the device's history (a text tier re-tokenizes it)
+            cloud.align(turn.decoder.history)
+        got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead, explore=explore)
         if got is None:
             return False
         turn.write(got.token, "cloud", score)
         return True
 
-    def check(self, turn: Turn, start: int, draft: ClauseDraft) -> None:
+    def check(self, turn: Turn, cloud: CloudSession, start: int, draft: ClauseDraft) -> None:
         """One `verify`: router-flagged drafts are checked exactly, the others within `check_nats`
         (shared/decision.py, `judge_draft`). The verdict keeps the drafts before the first rejected
         one (flagged ones count as the cloud's: it chose the same token) and, at the rejected one,
@@ -78,7 +86,7 @@ class TokenHistory:
         dec = turn.decoder
         drafts, flagged, scores = dec.history[start:], draft.flagged, draft.scores
         check = [i for i, f in enumerate(flagged) if f]
-        verdict = turn.cloud.verify(
+        verdict = cloud.verify(
             dec.history[:start], drafts, check, tolerance=turn.opts.check_nats, hidden=draft.hidden()
         )
         release = turn.out.release
@@ -94,12 +102,12 @@ class TokenHistory:
             release(verdict.token, "cloud", scores[at] if at < len(drafts) else None, overruled=overruled)
         turn.policy.share_taken_elsewhere(turn.overruled.add(at + (verdict.token >= 0), overruled))
 
-    def stream(self, turn: Turn) -> bool:
+    def stream(self, turn: Turn, cloud: CloudSession) -> bool:
         def take(tok) -> bool:
             turn.write(tok.token, "cloud", None)  # decoded lazily, only if the device must take over
             return not tok.eog and not turn.finished()
 
-        return turn.cloud.stream(turn.decoder.history, turn.room(), take)
+        return cloud.stream(turn.decoder.history, turn.room(), take)
 
 
 class TextHistory:
@@ -111,30 +119,32 @@ class TextHistory:
     which decides that position: the device's token stands if the cloud finds its bytes close
     enough, else the device takes the guess's text."""
 
-    def guess(self, turn: Turn) -> GuessJudge | None:
+    def guess(self, turn: Turn, cloud: CloudSession) -> GuessJudge | None:
         text_guess, turn.text_guess = turn.text_guess, None  # the guess that came with the last span
         if text_guess is None:
             return None
         return text_guess.for_tokens(turn.model.token_bytes, turn.model.is_eog)
 
-    def take_guess(self, turn: Turn, guess: GuessJudge) -> None:
+    def take_guess(self, turn: Turn, cloud: CloudSession, guess: GuessJudge) -> None:
         assert isinstance(guess, TokenView)
         best = guess.guess.best
-        self.take_text(turn, CloudText(best, 1, guess.guess.logprobs[0], not best), None, lookahead=True)
+        self.take_text(turn, cloud, CloudText(best, 1, guess.guess.logprobs[0], not best), None, lookahead=True)
 
-    def ask(self, turn: Turn, proposed: int, hidden: np.ndarray, score: float | None, explore: bool) -> bool:
+    def ask(
+        self, turn: Turn, cloud: CloudSession, proposed: int, hidden: np.ndarray, score: float | None, explore: bool
+    ) -> bool:
         """One `text_generate`; None back where the device's text ends inside a character (the cloud is
         asked on whole characters only) or a span of only a cut character brings nothing."""
-        got = turn.cloud.ask_text(
+        got = cloud.ask_text(
             turn.decoder.history, turn.model.token_bytes(proposed), hidden, turn.opts.lookahead, explore=explore
         )
         if got is None or not (got.text or got.eog):
             return False
-        self.take_text(turn, got, score)
+        self.take_text(turn, cloud, got, score)
         turn.text_guess = got.guess
         return True
 
-    def check(self, turn: Turn, start: int, draft: ClauseDraft) -> None:
+    def check(self, turn: Turn, cloud: CloudSession, start: int, draft: ClauseDraft) -> None:
         """One `text_verify` of the clause's text with the byte ranges the router flagged. The cloud
         judges its own tokens of the text (shared/text_history.py, "The cloud's check"); the device
         keeps its answer text up to the verdict's kept bytes (its drafts wholly inside them stay in
@@ -145,9 +155,7 @@ class TextHistory:
         flagged, scores = draft.flagged, draft.scores
         drafts = dec.history[start:]
         eog = turn.model.is_eog(drafts[-1])
-        verdict = turn.cloud.verify_text(
-            dec.history, start, flagged, turn.opts.check_nats, eog=eog, hidden=draft.hidden()
-        )
+        verdict = cloud.verify_text(dec.history, start, flagged, turn.opts.check_nats, eog=eog, hidden=draft.hidden())
         release = turn.out.release
         if verdict is None:
             draft.release_unchecked(turn, drafts)
@@ -173,24 +181,25 @@ class TextHistory:
         for token, score, flag in zip(drafts[:j], scores, flagged):
             release(token, "cloud" if flag else "edge", score)
         if own:  # the kept part of a draft the cut splits: the device's text
-            self.take_text(turn, CloudText(own, 0, 0.0, False), scores[cut], route="edge")
+            self.take_text(turn, cloud, CloudText(own, 0, 0.0, False), scores[cut], route="edge")
         overruled = not flagged[cut]
         got = CloudText(verdict.text.encode("utf-8"), verdict.n_tokens, verdict.logprob, verdict.eog)
         n_before = len(turn.answer.tokens)
-        self.take_text(turn, got, None if own else scores[cut], overruled=overruled)
+        self.take_text(turn, cloud, got, None if own else scores[cut], overruled=overruled)
         n_cloud = len(turn.answer.tokens) - n_before
         turn.policy.share_taken_elsewhere(turn.overruled.add(j + n_cloud, overruled and n_cloud > 0))
 
-    def stream(self, turn: Turn) -> bool:
+    def stream(self, turn: Turn, cloud: CloudSession) -> bool:
         def take(got: CloudText) -> bool:
-            self.take_text(turn, got, None)
+            self.take_text(turn, cloud, got, None)
             return not turn.finished()
 
-        return turn.cloud.stream_text(turn.decoder.history, turn.room(), take)
+        return cloud.stream_text(turn.decoder.history, turn.room(), take)
 
     @staticmethod
     def take_text(
         turn: Turn,
+        cloud: CloudSession,
         got: CloudText,
         score: float | None,
         route: Route = "cloud",
@@ -211,7 +220,7 @@ class TextHistory:
         keep, add = view.reconcile(answer, view.text_of(answer) + text)
         dec.truncate(start + keep)
         dec.history.extend(add)  # decoded when next needed (the KV cache follows lazily)
-        turn.cloud.text_taken(len(dec.history))
+        cloud.text_taken(len(dec.history))
         for i, token in enumerate(pieces):
             turn.out.release(
                 token, route, score if i == 0 else None, overruled=overruled and i == 0, lookahead=lookahead

@@ -28,6 +28,7 @@ from typing import Protocol
 from edge_client.shared_history import history_of
 from edge_client.turn import Turn, draft_clause
 from shared.decision import Step
+from shared.decision_engine import CLOUD
 
 
 class Strategy(Protocol):
@@ -43,20 +44,28 @@ class PerToken:
     character), the device writes the position (a fallback, unless it was explored)."""
 
     def run(self, turn: Turn) -> None:
-        rule, cloud, history = turn.rule, turn.cloud, history_of(turn.cloud)
+        rule = turn.rule
         logits, hidden = turn.decoder.next_distribution()
         proposed = turn.sampler.sample(logits)
-        guess = history.guess(turn) if rule.guess_due and cloud.up else None
+        guessing = turn.last_asked or turn.cloud  # the guess comes from the tier that wrote the last position
+        guess = history_of(guessing).guess(turn, guessing) if rule.guess_due and guessing.up else None
         score, flagged = turn.flag(hidden, logits, proposed) if rule.router_asked(guess) else (None, None)
         explore = turn.explore(flagged)
         step = rule.step(flagged or explore, guess, proposed)
+        tier = CLOUD if explore else turn.tier
+        n_before = len(turn.answer.tokens)
         if step is Step.GUESS_TAKE and guess is not None:  # the cloud's guess, no round trip
-            history.take_guess(turn, guess)
+            history_of(guessing).take_guess(turn, guessing, guess)
             rule.written(turn.answer.tokens[-1])
-        elif step is Step.ASK and cloud.up and history.ask(turn, proposed, hidden, score, explore):
+        elif (
+            step is Step.ASK
+            and (cloud := turn.cloud_for(tier)) is not None
+            and history_of(cloud).ask(turn, cloud, proposed, hidden, score, explore)
+        ):
+            turn.asked(cloud, tier, n_before)
             rule.written(turn.answer.tokens[-1], cloud_answered=True)
         else:
-            fallback = step is Step.ASK and cloud.configured and not explore
+            fallback = step is Step.ASK and turn.cloud.configured and not explore
             turn.write(proposed, "edge", score, fallback, lookahead=guess is not None)
             rule.written(proposed)
         turn.sync_eagerly()
@@ -74,13 +83,16 @@ class ClauseCheck:
     def run(self, turn: Turn) -> None:
         dec, cloud = turn.decoder, turn.cloud
         start = len(dec.history)
+        if turn.tiers:
+            cloud.align(dec.history)  # another tier may have rewritten the device's history
         cloud.sync(dec.history)  # what the cloud lacks: it prefills it while the device drafts
         if not cloud.up:
             return  # lost: the per-token phase finishes on the device
         draft = draft_clause(turn)
         if draft is None:
             return  # interrupted: nothing of this clause is released
-        history_of(cloud).check(turn, start, draft)
+        turn.last_asked = None  # the check is the first cloud tier's
+        history_of(cloud).check(turn, cloud, start, draft)
 
 
 class CloudStream:
@@ -88,7 +100,7 @@ class CloudStream:
     none of it unless the stream breaks off and it has to take over."""
 
     def run(self, turn: Turn) -> None:
-        if not history_of(turn.cloud).stream(turn):
+        if not history_of(turn.cloud).stream(turn, turn.cloud):
             turn.answer.degraded = True
 
 

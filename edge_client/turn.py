@@ -20,7 +20,7 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
-from shared.decision_engine import DecisionEngine, Exploration, Position, engine_flags
+from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Exploration, Position, engine_tier
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
@@ -52,6 +52,13 @@ class Turn:
     text_guess: TextGuess | None = None  # text mode: the cloud's guess that came with its last span
     position: Position = field(default_factory=Position)  # what the engine is shown, reused at each position
     exploration: Exploration | None = None  # asks the cloud at random where the engine kept the device's token
+    # The pool's tiers above `cloud` (tier 2, 3, ...): each session joins the answer when first asked
+    tiers: list[CloudSession] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the chat (a tier's session starts from it)
+    tier: int = 0  # the engine's last decision
+    last_asked: CloudSession | None = None  # the session whose reply made a lookahead guess due (None: `cloud`)
+    tier_writes: list[tuple[int, int, int]] = field(default_factory=list)  # answer [start, end) by tiers >= 2
+    _joined: set[int] = field(default_factory=set)
 
     @property
     def answer(self) -> Answer:
@@ -73,9 +80,28 @@ class Turn:
         t0 = time.perf_counter()
         score = self.router.score(hidden, logits, proposed)
         index = len(self.decoder.history) - self.prompt_len
-        hard = engine_flags(self.engine, self.position, index, proposed, score, hidden, logits)
+        n_tiers = 2 + len(self.tiers)
+        self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
-        return score, hard
+        return score, self.tier != DEVICE
+
+    def cloud_for(self, tier: int) -> CloudSession | None:
+        """The session of `tier` (1: `cloud`), joining this answer when first asked; None when it is not up
+        (the device then writes the position, a fallback)."""
+        if tier <= CLOUD:
+            return self.cloud if self.cloud.up else None
+        session = self.tiers[tier - 2]
+        if tier not in self._joined:
+            self._joined.add(tier)
+            prompt = self.decoder.history[: self.prompt_len]
+            session.start_answer(self.messages, prompt, lambda: self.decoder.history)
+        return session if session.up else None
+
+    def asked(self, cloud: CloudSession, tier: int, n_before: int) -> None:
+        """`cloud` (of `tier`) wrote the answer's positions from `n_before` on: its guess is due next."""
+        self.last_asked = cloud
+        if tier >= 2:
+            self.tier_writes.append((n_before, len(self.answer.tokens), tier))
 
     def explore(self, flagged: bool | None) -> bool:
         """Exploration: ask the cloud about this position although the engine kept it (`flagged` False)?
@@ -100,8 +126,11 @@ class Turn:
             self.decoder.append(token)
 
     def sync_eagerly(self) -> None:
-        """Send the final device tokens the cloud lacks once there are `sync_every` of them."""
+        """Send the final device tokens the cloud lacks once there are `sync_every` of them (the first
+        cloud tier only: a tier above it is brought up to date when asked)."""
         cloud, every = self.cloud, self.opts.sync_every
+        if self.tiers and cloud.up:
+            cloud.align(self.decoder.history)
         if cloud.up and every > 0 and len(self.decoder.history) - cloud.cloud_len >= every:
             cloud.sync(self.decoder.history)
 

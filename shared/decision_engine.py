@@ -17,8 +17,10 @@ is a complete one. docs/architecture.md ("The token hook") says what an engine m
 and may not do.
 
 A position's tier is an int: `DEVICE` (0) keeps the device's token, `CLOUD` (1)
-asks the cloud's model. Today's pool has these two tiers; the numbering leaves room
-for more (a mid-size model between them).
+asks the cloud's model, and 2, 3, ... the tiers above it where the pool has them
+(`--tier`: e.g. an 8B cloud, then a 70B one). The built-in `escalate` engine uses
+them: the policy says hard or easy as `router` does, and a hard position scoring at
+least `above` goes to the top tier.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from shared.policy import RoutingPolicy
 ENTRY_POINT_GROUP = "tokenrouter.decision_engines"
 BUILTIN_ENGINE = "router"
 DEVICE, CLOUD = 0, 1
-TIERS = ("device", "cloud")  # tier index -> name
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class EngineSetup:
     options: dict[str, str]  # the `name:key=value,...` options of --decision-engine
     edge_model: str = ""
     cloud_model: str = ""
+    tiers: int = 2  # the pool's tiers, the device included: 0 .. tiers - 1
 
 
 class PolicyEngine:
@@ -128,6 +130,39 @@ class Exploration:
         return True
 
 
+class EscalateEngine:
+    """Built in, for a pool of tiers: the policy decides hard or easy (as `router`); a hard position
+    scoring at least `above` goes to the top tier, the other hard ones to the first cloud tier."""
+
+    name = "escalate"
+
+    def __init__(self, policy: RoutingPolicy, above: float, top: int) -> None:
+        self.policy = policy
+        self.above = above
+        self.top = top
+
+    def start_answer(self) -> None:
+        pass
+
+    def decide(self, position: Position) -> int:
+        if not self.policy.decide(position.score):
+            return DEVICE
+        return self.top if position.score >= self.above else CLOUD
+
+
+def _escalate(setup: EngineSetup) -> DecisionEngine:
+    unknown = set(setup.options) - {"above"}
+    if unknown:
+        raise DecisionEngineError(f"escalate takes above=SCORE, not {', '.join(sorted(unknown))}")
+    try:
+        above = float(setup.options.get("above", "0.8"))
+    except ValueError:
+        raise DecisionEngineError(f"escalate: above must be a score within [0, 1], not {setup.options['above']!r}")
+    if not 0.0 <= above <= 1.0:
+        raise DecisionEngineError(f"escalate: above must be a score within [0, 1], not {above}")
+    return EscalateEngine(setup.policy, above, setup.tiers - 1)
+
+
 class DecisionEngineError(ValueError):
     """An engine that cannot be found, built or trusted; the message says what to do."""
 
@@ -148,9 +183,9 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def installed_engines() -> dict[str, Callable[[EngineSetup], DecisionEngine]]:
     """Engines by name: the built-in one and every entry point of the group (loaded lazily)."""
-    found: dict[str, Callable[[EngineSetup], DecisionEngine]] = {BUILTIN_ENGINE: _builtin}
+    found: dict[str, Callable[[EngineSetup], DecisionEngine]] = {BUILTIN_ENGINE: _builtin, "escalate": _escalate}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name != BUILTIN_ENGINE:
+        if ep.name not in found:
             found[ep.name] = _lazy(ep)
     return found
 
@@ -177,7 +212,7 @@ def _lazy(ep) -> Callable[[EngineSetup], DecisionEngine]:
 def engine_name(spec: str) -> str:
     """Check that `spec` names an installed engine (without building it); returns its name."""
     name, _ = parse_spec(spec)
-    if name == BUILTIN_ENGINE:
+    if name in (BUILTIN_ENGINE, "escalate"):
         return name
     known = installed_engines()
     if name not in known:
@@ -194,7 +229,9 @@ def build_engine(spec: str, setup: EngineSetup) -> DecisionEngine:
     name = engine_name(spec)
     _, options = parse_spec(spec)
     try:
-        engine = installed_engines()[name](EngineSetup(setup.policy, options, setup.edge_model, setup.cloud_model))
+        engine = installed_engines()[name](
+            EngineSetup(setup.policy, options, setup.edge_model, setup.cloud_model, setup.tiers)
+        )
     except DecisionEngineError:
         raise
     except Exception as exc:
@@ -207,6 +244,23 @@ def build_engine(spec: str, setup: EngineSetup) -> DecisionEngine:
     return engine
 
 
+def engine_tier(
+    engine: DecisionEngine,
+    at: Position,
+    index: int,
+    proposed: int,
+    score: float,
+    hidden: np.ndarray,
+    logits: np.ndarray,
+    tiers: int = 2,
+) -> int:
+    """The tier that writes this position: `engine` decides, shown `at` (a reused Position, filled
+    here), checked against the pool's `tiers`. The one call the device's generator (edge_client/turn.py,
+    `Turn.flag`) and the trainer's evals (models/train/) make."""
+    at.index, at.proposed, at.score, at.hidden, at.logits = index, proposed, score, hidden, logits
+    return checked_tier(engine, engine.decide(at), tiers)
+
+
 def engine_flags(
     engine: DecisionEngine,
     at: Position,
@@ -216,18 +270,15 @@ def engine_flags(
     hidden: np.ndarray,
     logits: np.ndarray,
 ) -> bool:
-    """Is this position hard? `engine` decides, shown `at` (a reused Position, filled here). The one
-    call the device's generator (edge_client/strategies.py, `Turn.flag`) and the trainer's eval
-    (models/train/evaluate.py) both make."""
-    at.index, at.proposed, at.score, at.hidden, at.logits = index, proposed, score, hidden, logits
-    return checked_tier(engine, engine.decide(at)) != DEVICE
+    """Is this position hard (any cloud tier)? `engine_tier` in a two-tier pool (the evals)."""
+    return engine_tier(engine, at, index, proposed, score, hidden, logits) != DEVICE
 
 
-def checked_tier(engine: DecisionEngine, tier: int) -> int:
+def checked_tier(engine: DecisionEngine, tier: int, tiers: int = 2) -> int:
     """`tier` if this pool has it, else an error naming the engine (an engine bug must not pass as a route)."""
-    if tier == DEVICE or tier == CLOUD:
-        return tier
+    if isinstance(tier, (int, np.integer)) and not isinstance(tier, bool) and 0 <= tier < tiers:
+        return int(tier)
     raise DecisionEngineError(
-        f"decision engine {getattr(engine, 'name', engine)!r} chose tier {tier!r}; this pool has "
-        f"{', '.join(f'{i} ({n})' for i, n in enumerate(TIERS))}"
+        f"decision engine {getattr(engine, 'name', engine)!r} chose tier {tier!r}; this pool has tiers 0 (the "
+        f"device) to {tiers - 1}" + (" (add tiers with --tier)" if isinstance(tier, int) and tier >= tiers else "")
     )

@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -101,10 +101,12 @@ def make_generator(
     timeout_s: float = 5.0,
     url: str | None = None,
     policy: RoutingPolicy | None = None,
+    tiers: Sequence[LocalCloudServer] = (),
     **options: object,
 ) -> RoutedGenerator:
     """A generator against `server` (None: device only) with a fixed-threshold policy, greedy,
-    and neither lookahead nor the check unless `options` (GeneratorOptions fields) ask for them."""
+    and neither lookahead nor the check unless `options` (GeneratorOptions fields) ask for them; `tiers`:
+    servers of the tiers above `server` (a pool)."""
     connect = None
     if server is not None:
         target = url or server.url
@@ -122,8 +124,14 @@ def make_generator(
     )
     opts = replace(opts, **options)  # type: ignore[arg-type]
     policy = policy or RoutingPolicy(opts.policy_config())
+    tier_connects = [lambda t=t: CloudLink(t.url, t.api_key, timeout_s=timeout_s) for t in tiers]
     return RoutedGenerator(
-        edge, opts, connect, router=router or HeuristicRouter("entropy", edge.n_vocab), policy=policy
+        edge,
+        opts,
+        connect,
+        router=router or HeuristicRouter("entropy", edge.n_vocab),
+        policy=policy,
+        tier_connects=tier_connects,
     )
 
 

@@ -371,7 +371,7 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
         gen.decoder.set_history(prompt + view.tokens(b"Hello wor"))
         gen.decoder.next_distribution()  # " wor" is in the KV cache
         turn = _turn(gen, edge_model, prompt)
-        TEXT.take_text(turn, CloudText(b"ld! How", 3, -1.0, False), 0.9)
+        TEXT.take_text(turn, gen.cloud, CloudText(b"ld! How", 3, -1.0, False), 0.9)
         assert gen.decoder.history == prompt + view.tokens(b"Hello world! How")
         assert gen.decoder._n_decoded == len(prompt) + 1, "the cache kept 'Hello' and dropped ' wor'"
         logits = gen.decoder.next_distribution()[0].copy()
@@ -383,7 +383,7 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
         a = turn.answer
         assert b"".join(edge_model.token_bytes(t) for t in a.tokens) == b"ld! How" and set(a.routes) == {"cloud"}
         assert a.scores[0] == 0.9 and all(s is None for s in a.scores[1:])
-        TEXT.take_text(turn, CloudText(b"", 1, -0.1, True), None)
+        TEXT.take_text(turn, gen.cloud, CloudText(b"", 1, -0.1, True), None)
         assert turn.finished() and a.tokens[-1] == edge_model.eog_token, "the cloud's end of answer ends it"
     finally:
         gen.close()

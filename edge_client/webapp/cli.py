@@ -69,6 +69,8 @@ def build_core(args: argparse.Namespace) -> AppCore:
     """The app's core from the command line (not loaded yet); raises SettingsError, DeviceError, ValueError."""
     if args.threshold is not None:
         raise ValueError("the app sets the cloud share with --cloud-fraction (or its slider), not --threshold")
+    if args.tier:
+        raise ValueError("the app runs one cloud; a pool of tiers (--tier) runs with ask, listen and file")
     overrides: dict[str, Any] = {}
     if args.cloud is not None:
         overrides["cloud"] = args.cloud

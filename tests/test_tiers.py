@@ -1,0 +1,94 @@
+"""A pool of tiers: the device, a cloud, and a tier above it (`--tier`), with an engine that
+sends the hardest positions up. The stand-ins: SmolLM2 Q3_K_S on the device, SmolLM2 Q4_1 as
+the cloud (tokens), Gemma-3-270M as the top tier (another vocabulary: text mode), each a real
+server on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shared.decision_engine import DecisionEngineError, EngineSetup, Position, build_engine
+from shared.policy import PolicyConfig, RoutingPolicy
+from tests.conftest import GEMMA, LONG_QUESTIONS, ROOT, chat
+from tests.helpers import make_generator, metric
+
+
+def test_escalate_sends_hard_positions_up_by_score():
+    policy = RoutingPolicy(PolicyConfig("router", threshold=0.3, cloud_fraction=None))
+    engine = build_engine("escalate:above=0.7", EngineSetup(policy, {}, tiers=3))
+    assert [engine.decide(Position(score=s)) for s in (0.1, 0.5, 0.69, 0.7, 0.95)] == [0, 1, 1, 2, 2]
+    two = build_engine("escalate", EngineSetup(policy, {}, tiers=2))  # no tier above the cloud: the router
+    assert [two.decide(Position(score=s)) for s in (0.1, 0.5, 0.95)] == [0, 1, 1]
+    with pytest.raises(DecisionEngineError, match="above must be a score"):
+        build_engine("escalate:above=2", EngineSetup(policy, {}, tiers=3))
+    with pytest.raises(DecisionEngineError, match="escalate takes above"):
+        build_engine("escalate:below=0.2", EngineSetup(policy, {}, tiers=3))
+
+
+def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
+    """Every position hard (threshold 0); the escalate engine sends those scoring at least 0.15 to
+    Gemma (tier 2, text mode) and the rest to the cloud (tier 1, tokens). Both servers write; each
+    position's tier follows its score; the cloud's token session stays a prefix of the device's
+    history though Gemma's text re-tokenizes it; the base model's warning is given."""
+    hard1, hard2 = (metric(s, "tokenrouter_hard_tokens_total") for s in (cloud_server, gemma_server))
+    gen = make_generator(
+        edge_model, cloud_server, threshold=0.0, tiers=[gemma_server], decision_engine="escalate:above=0.15"
+    )
+    try:
+        answers = [gen.generate(chat(q), max_tokens=32) for q in LONG_QUESTIONS[:2]]
+        link = gen.cloud.link
+        assert link is not None and link.mode == "tokens"
+        assert link.held == gen.decoder.history[: len(link.held)], "the cloud holds a prefix of the device's history"
+        assert gen.tiers[0].link is not None and gen.tiers[0].link.mode == "text"
+    finally:
+        gen.close()
+    for a in answers:
+        assert not a.degraded and a.n_cloud_tokens == a.n_tokens and len(a.tiers) == a.n_tokens
+        for tier, score in zip(a.tiers, a.scores):
+            if score is not None:  # where the engine decided (a span's first token)
+                assert tier == (2 if score >= 0.15 else 1), (tier, score)
+        assert any("cloud's model is a base model" in w for w in a.warnings)
+    tiers = [t for a in answers for t in a.tiers]
+    assert 1 in tiers and 2 in tiers
+    assert metric(cloud_server, "tokenrouter_hard_tokens_total") > hard1
+    assert metric(gemma_server, "tokenrouter_hard_tokens_total") > hard2
+
+
+def test_an_engine_asking_for_a_tier_the_pool_lacks_is_told_to_add_it(edge_model, cloud_server):
+    gen = make_generator(edge_model, cloud_server, threshold=0.0)
+    try:
+        gen.engine = build_engine(
+            "escalate:above=0", EngineSetup(gen.policy, {}, tiers=3)
+        )  # built for a pool this generator lacks
+        with pytest.raises(DecisionEngineError, match="tiers 0 .the device. to 1 .add tiers with --tier."):
+            gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=4)
+    finally:
+        gen.close()
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_a_pool():
+    """`tokenrouter-edge ask --tier local:gemma3-270m --decision-engine escalate:above=0.15`: two loopback
+    servers, and the JSON's tiers show both; a malformed tier is refused before any model loads."""
+
+    def ask(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "edge_client.cli", "ask", "explain how vaccines work", "--json", *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    flags = ["--tier", f"local:{GEMMA}", "--decision-engine", "escalate:above=0.15", "--router", "entropy"]
+    p = ask(*flags, "--threshold", "0", "--max-tokens", "24")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert 2 in out["tiers"] and not out["degraded"] and len(out["tiers"]) == out["n_tokens"]
+    assert "warning: the cloud's model is a base model" in p.stderr
+    p = ask("--tier", "gemma")
+    assert p.returncode != 0 and "local:MODEL or a ws:// or wss:// URL" in p.stderr
