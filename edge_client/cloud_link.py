@@ -63,7 +63,7 @@ from shared.protocol import (
 )
 from shared.sampling import Guess
 from shared.sequences import common_prefix
-from shared.text_history import TextGuess
+from shared.text_history import TextGuess, valid_utf8
 
 ReplyT = TypeVar("ReplyT", Tokens, Verdict, TextReply, TextVerdict)  # a reply that answers a request
 
@@ -435,7 +435,8 @@ class CloudLink:
                 request_id=request_id,
                 byte_position=len(self.held_text),
                 text=pending.decode("utf-8"),
-                proposed_text=proposed.decode("utf-8") if proposed else "",
+                # a byte-fallback token may be part of a character: only its whole characters can travel
+                proposed_text=proposed[: valid_utf8(proposed)].decode("utf-8"),
                 max_tokens=max_tokens,
                 at_word=at_word,
                 hidden=None if hidden is None else hidden.astype(np.float16),

@@ -270,6 +270,20 @@ def test_mixed_pair_negotiates_text_mode_and_refuses_it_when_not_offered(gemma_s
         assert isinstance(err, Error) and err.code == ErrorCode.OUT_OF_ORDER and "3 bytes" in err.message
 
 
+def test_a_proposed_token_that_is_part_of_a_character_is_asked_about_all_the_same(gemma_server, edge_info):
+    """A device token of byte-fallback bytes (half an emoji) at a hard position: the request carries
+    only its whole characters (none here), and the cloud writes its span. It raised a
+    UnicodeDecodeError before, ending the answer (found by scripts/bench_tiers.py)."""
+    link = CloudLink(gemma_server.url, gemma_server.api_key)
+    try:
+        link.open(edge_info, chat("say hi"), [1, 2, 3], SamplingParams(), "auto")
+        assert link.mode == "text"
+        got = link.text_generate(b"Hi", proposed="\U0001f600".encode()[:2], max_tokens=2)
+        assert (got.text or got.eog) and link.held_text.startswith(b"Hi")
+    finally:
+        link.close()
+
+
 def test_same_tokenizer_stays_on_tokens_unless_text_is_forced(same_model_server, edge_info):
     for text_mode, expected in (("auto", "tokens"), ("never", "tokens"), ("always", "text")):
         with connect(same_model_server.url) as ws:
