@@ -35,6 +35,9 @@ class GeneratorOptions:
     # More cloud tiers above that one (a pool: device -> cloud -> tier 2 -> ...), each "local:MODEL" (a loopback
     # server of that model) or a ws:// URL; a decision engine that chooses tiers sends positions up (docs/architecture.md)
     tiers: tuple[str, ...] = ()
+    # Prefetch: a tier above the cloud that wrote a position within the last prefetch_window positions is kept
+    # in step like the cloud (sync_every), so its next request has little left to prefill; 0: only when asked
+    prefetch_window: int = 8
     # The CPUs a `local` server runs on ("2,3"; "" = the device's own): on a machine with cores to spare,
     # a loopback cloud off the device's cores stands for one on other hardware (bench_voice.py --cloud-cpus)
     cloud_cpus: str = ""
@@ -134,6 +137,8 @@ class GeneratorOptions:
         for tier in self.tiers:
             if not (tier.startswith(("ws://", "wss://")) or (tier.startswith("local:") and len(tier) > 6)):
                 raise ValueError(f"a tier (--tier) is local:MODEL or a ws:// or wss:// URL, not {tier!r}")
+        if self.prefetch_window < 0:
+            raise ValueError(f"prefetch_window (--prefetch-window) must be >= 0, not {self.prefetch_window}")
         if self.tiers and self.cloud == "none":
             raise ValueError("tiers (--tier) stand above the cloud: they need --cloud local or a URL, not none")
         if self.reconnects < 0:

@@ -29,6 +29,12 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         help="another cloud tier above --cloud (repeatable): a pool of models; an engine that chooses tiers "
         "(e.g. --decision-engine escalate:above=0.8) sends the hardest positions up (docs/architecture.md, 'Tiers')",
     )
+    p.add_argument(
+        "--prefetch-window",
+        type=int,
+        default=D.prefetch_window,
+        help="keep a tier above the cloud in step while it wrote within the last N positions (0: only when asked)",
+    )
     p.add_argument("--api-key", default=D.api_key, help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
     p.add_argument("--edge-model", default=D.edge_model, help="registered name or .gguf path")
     p.add_argument("--cloud-model", default=D.cloud_model, help="model of the local cloud server")
@@ -154,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         cloud_model=args.cloud_model,
         cloud=args.cloud,
         tiers=tuple(args.tier or D.tiers),
+        prefetch_window=args.prefetch_window,
         api_key=args.api_key,
         policy=args.policy,
         threshold=D.threshold if args.threshold is None else args.threshold,  # a threshold replaces the target

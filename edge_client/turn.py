@@ -59,6 +59,7 @@ class Turn:
     last_asked: CloudSession | None = None  # the session whose reply made a lookahead guess due (None: `cloud`)
     tier_writes: list[tuple[int, int, int]] = field(default_factory=list)  # answer [start, end) by tiers >= 2
     _joined: set[int] = field(default_factory=set)
+    _last_written: dict[int, int] = field(default_factory=dict)  # tier >= 2 -> answer length when it last wrote
 
     @property
     def answer(self) -> Answer:
@@ -102,6 +103,7 @@ class Turn:
         self.last_asked = cloud
         if tier >= 2:
             self.tier_writes.append((n_before, len(self.answer.tokens), tier))
+            self._last_written[tier] = len(self.answer.tokens)
 
     def explore(self, flagged: bool | None) -> bool:
         """Exploration: ask the cloud about this position although the engine kept it (`flagged` False)?
@@ -126,13 +128,20 @@ class Turn:
             self.decoder.append(token)
 
     def sync_eagerly(self) -> None:
-        """Send the final device tokens the cloud lacks once there are `sync_every` of them (the first
-        cloud tier only: a tier above it is brought up to date when asked)."""
-        cloud, every = self.cloud, self.opts.sync_every
+        """Send the final device tokens the cloud lacks once there are `sync_every` of them; likewise to a
+        tier above it that wrote within the last `prefetch_window` positions (else it is brought up to
+        date when next asked)."""
+        cloud, every, history = self.cloud, self.opts.sync_every, self.decoder.history
         if self.tiers and cloud.up:
-            cloud.align(self.decoder.history)
-        if cloud.up and every > 0 and len(self.decoder.history) - cloud.cloud_len >= every:
-            cloud.sync(self.decoder.history)
+            cloud.align(history)
+        if cloud.up and every > 0 and len(history) - cloud.cloud_len >= every:
+            cloud.sync(history)
+        for tier, last in self._last_written.items():  # prefetch: the tiers likely to be asked again soon
+            session = self.tiers[tier - 2]
+            if len(self.answer.tokens) - last <= self.opts.prefetch_window and session.up and every > 0:
+                session.align(history)
+                if len(history) - session.cloud_len >= every:
+                    session.sync(history)
 
 
 @dataclass(slots=True)

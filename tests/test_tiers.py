@@ -92,3 +92,37 @@ def test_the_command_line_runs_a_pool():
     assert "warning: the cloud's model is a base model" in p.stderr
     p = ask("--tier", "gemma")
     assert p.returncode != 0 and "local:MODEL or a ws:// or wss:// URL" in p.stderr
+
+
+class TopFirst:
+    """A stand-in engine (an installed one is tested in test_decision_engine.py): the top tier writes
+    the answer's first position, the device the rest."""
+
+    name = "top-first"
+
+    def start_answer(self) -> None:
+        pass
+
+    def decide(self, position: Position) -> int:
+        return 2 if position.index == 0 else 0
+
+
+def test_prefetch_keeps_a_tier_in_use_in_step(edge_model, cloud_server, gemma_server):
+    """After the top tier writes, the device's next tokens are sent to it as they come (every
+    `sync_every`) while it is within `prefetch_window` positions of its last write; with a window of
+    0 nothing more goes to it. One request either way."""
+    sent = {}
+    for window in (8, 0):
+        gen = make_generator(edge_model, cloud_server, tiers=[gemma_server], prefetch_window=window)
+        try:
+            gen.engine = TopFirst()
+            top = gen.tiers[0]
+            before = top.traffic()
+            a = gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=24)
+            spent = top.traffic() - before
+        finally:
+            gen.close()
+        assert a.tiers[0] == 2 and set(a.tiers[1:]) <= {0, 2} and not a.degraded
+        assert spent.round_trips == 1
+        sent[window] = spent.bytes_up
+    assert sent[8] > sent[0]
