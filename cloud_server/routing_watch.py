@@ -10,7 +10,7 @@ model. Three rates per session, all counted here from what the server serves:
     overrule_rate         drafts the cloud's check overruled per unflagged draft it judged
                           (token sessions): high when the router misses hard tokens
     explore_disagreement  explored positions (the device kept them; asked at random,
-                          shared/decision_engine.py Exploration) where the cloud chose
+                          shared/exploration.py) where the cloud chose
                           another token (token sessions): an unbiased read of the same
 
 The band of each rate is calibrated on the fleet's own sessions: a decayed

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.cpus import parse_cpus
 from shared.decision import CHECK_MAX_DRAFT, SYNC_EVERY, RuleOptions
-from shared.decision_engine import BUILTIN_ENGINE, Exploration, engine_name
+from shared.decision_engine import BUILTIN_ENGINE, engine_name
+from shared.exploration import Exploration
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import TEXT_MODES, SamplingParams
@@ -52,7 +53,7 @@ class GeneratorOptions:
     # Who decides a position the router is asked about (shared/decision_engine.py, the token hook): the
     # built-in "router" (the policy above), or an installed engine's name, options after a colon
     decision_engine: str = BUILTIN_ENGINE
-    # Exploration (shared/decision_engine.py, Exploration): a position the engine kept is asked of the cloud anyway
+    # Exploration (shared/exploration.py): a position the engine kept is asked of the cloud anyway
     # with this probability (0: off), for unbiased labels and drift checks; at most explore_per_minute a minute
     explore: float = 0.0
     explore_per_minute: float = 6.0

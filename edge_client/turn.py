@@ -20,7 +20,8 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
-from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Exploration, Position, engine_tier
+from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Position, engine_tier
+from shared.exploration import Exploration
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router

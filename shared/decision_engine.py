@@ -25,8 +25,6 @@ least `above` goes to the top tier.
 
 from __future__ import annotations
 
-import random
-import time
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, Protocol
@@ -64,7 +62,7 @@ class DecisionEngine(Protocol):
         ...
 
     def decide(self, position: Position) -> int:
-        """The tier that writes this position: DEVICE (0) or CLOUD (1)."""
+        """The tier that writes this position: DEVICE (0), CLOUD (1), or a tier above it (2, ...)."""
         ...
 
 
@@ -92,42 +90,6 @@ class PolicyEngine:
 
     def decide(self, position: Position) -> int:
         return CLOUD if self.policy.decide(position.score) else DEVICE
-
-
-class Exploration:
-    """ε-exploration: a position the engine kept on the device is asked of the cloud anyway, with
-    probability `epsilon`, at most `per_minute` times a minute (a token bucket, full at the start).
-
-    The labels it gives are unbiased (the router's choice did not pick them), so the server can
-    check that positions kept on the device are as easy as the router thinks (cloud_server/
-    routing_watch.py). The draw comes from the operating system's randomness, not the answer's
-    seed or text, so no input can steer which positions are explored. The cloud may decline an
-    exploration request (its key's budget); the device then writes the position, as chosen."""
-
-    def __init__(self, epsilon: float, per_minute: float, clock=time.monotonic) -> None:
-        if not 0.0 <= epsilon <= 1.0:
-            raise ValueError(f"explore (--explore) must be a probability within [0, 1], not {epsilon}")
-        if not 0.0 <= per_minute < float("inf"):
-            raise ValueError(f"explore_per_minute (--explore-per-minute) must be >= 0, not {per_minute}")
-        self.epsilon = epsilon
-        self.rate = per_minute / 60.0
-        self.capacity = max(per_minute, 1.0)
-        self.level = self.capacity
-        self._clock = clock
-        self._t = clock()
-        self._random = random.SystemRandom()
-
-    def pick(self) -> bool:
-        """Explore this position? (cheap: one draw; the clock only when the draw says yes)"""
-        if self.epsilon <= 0.0 or self._random.random() >= self.epsilon:
-            return False
-        now = self._clock()
-        self.level = min(self.capacity, self.level + (now - self._t) * self.rate)
-        self._t = now
-        if self.level < 1.0:
-            return False
-        self.level -= 1.0
-        return True
 
 
 class EscalateEngine:

@@ -14,7 +14,7 @@ import pytest
 from cloud_server.local import LocalCloudServer
 from cloud_server.routing_watch import RoutingWatch, SessionRouting
 from models.registry import DEFAULT_CLOUD_MODEL
-from shared.decision_engine import Exploration
+from shared.exploration import Exploration
 from tests.conftest import LONG_QUESTIONS, QUESTIONS, chat
 from tests.helpers import make_generator, metric, wait_for
 
