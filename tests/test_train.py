@@ -468,3 +468,53 @@ def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_pat
     )
     d = report["data"]
     assert d["train_positions"] + d["val_positions"] == len(load_records([labelled])) + len(nothing)
+
+
+@pytest.mark.kernel
+def test_the_eval_decides_as_the_device_does(edge_model, cloud_server):
+    """The product's loop and the eval's are one rule: the eval's learned router at its 30 % threshold and
+    the device with the same router, threshold and engine (no lookahead, no check; its cloud a real
+    server of the eval's cloud model) make the same decision at every position, up to where their
+    answers part (a near-tie between the server's batches and the eval's, or between the device
+    model's one-token decode and the eval's batched one: another proposed token) or a score within
+    kernel noise (SCORE_TOLERANCE) of the threshold."""
+    from models.train.evaluate import EvalOptions, evaluate
+    from shared.prompting import DEFAULT_SYSTEM_PROMPT
+    from tests.helpers import make_generator
+
+    prompts = ["how do i reset my wifi router", "what is the capital of france", "set a timer for ten minutes"]
+    opts = EvalOptions(
+        DEFAULT_ROUTER,
+        DEFAULT_EDGE_MODEL,
+        DEFAULT_CLOUD_MODEL,
+        fractions=(0.3,),
+        max_tokens=24,
+        progress=False,
+        keep_answers=True,
+    )
+    result = evaluate(prompts, opts)
+    router = LearnedRouter(RouterFile.load(DEFAULT_ROUTER))
+    threshold = min(max(router.threshold_for_fraction(0.3), 0.0), 1.0)
+    evals = {a["prompt"]: a for a in result["answers"] if a["method"] == "learned" and a["target_fraction"] == 0.3}
+    compared = excused = routed = 0
+    gen = make_generator(edge_model, cloud_server, threshold=threshold, router=router)
+    try:
+        for p in prompts:
+            a = gen.generate([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": p}])
+            ev = evals[p]
+            assert not a.degraded
+            for i, (tok, ev_tok) in enumerate(zip(a.tokens, ev["tokens"])):
+                device_hard, score = a.routes[i] == "cloud", a.scores[i]
+                if not device_hard and tok != ev["proposed"][i]:
+                    break  # the two decodes of the device model proposed different tokens: a near-tie
+                if device_hard != ev["hard"][i]:
+                    assert abs(score - threshold) < SCORE_TOLERANCE, (p, i, score, threshold)
+                    excused += 1
+                compared += 1
+                routed += device_hard
+                if tok != ev_tok:
+                    break  # the answers part here: what follows is another history
+    finally:
+        gen.close()
+    assert compared >= 20 and routed >= 2, (compared, routed)  # enough positions, both kinds, were compared
+    assert excused <= compared // 10, (excused, compared)

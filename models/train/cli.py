@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=BUILD_DIR / "eval", help="writes OUT.json and OUT.png (default: build/train/eval)"
     )
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
+    p.add_argument(
+        "--answers", action="store_true", help="also list every answer (text, tokens, decisions) in OUT.json"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=2, help="prompts decoded together (29 configurations each)")
     p.add_argument(
@@ -330,6 +333,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         cloud_engine=args.cloud_engine,
         cloud_engine_format=args.cloud_engine_format,
         decision_engine=args.decision_engine,
+        keep_answers=args.answers,
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     bar = None

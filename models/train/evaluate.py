@@ -125,6 +125,7 @@ class EvalOptions:
     # who decides the router's positions, as on the device (--decision-engine; shared/decision_engine.py): each
     # method's engine is built around that method's policy
     decision_engine: str = BUILTIN_ENGINE
+    keep_answers: bool = False  # the result also lists every answer (text, tokens, per-position decisions)
 
 
 @dataclass(slots=True)
@@ -142,6 +143,8 @@ class _Run:
     overruled: int = 0  # cloud tokens written where the check rejected the device's token
     remote: bool = False  # the cloud's decisions come from the remote engine (`cloud_engine`)
     tokens: list[int] = field(default_factory=list)
+    hard: list[bool | None] = field(default_factory=list)  # the engine's decision per position (None: not asked)
+    proposed: list[int] = field(default_factory=list)  # the device model's greedy token per position
     routed: int = 0
     nll: float = 0.0
     done: bool = False
@@ -283,6 +286,19 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
         result["cloud_engine"] = {"url": opts.cloud_engine, "prompt_format": opts.cloud_engine_format}
     result["edge_model"], result["cloud_model"] = edge_info.name, cloud_info.name
     result["decision_engine"] = opts.decision_engine
+    if opts.keep_answers:  # for reading answers side by side, and for comparing decisions with the device's
+        result["answers"] = [
+            {
+                "method": r.method,
+                "target_fraction": r.target,
+                "prompt": prompts[r.prompt],
+                "text": t,
+                "tokens": r.tokens,
+                "proposed": r.proposed,
+                "hard": r.hard,
+            }
+            for r, t in zip(runs, texts)
+        ]
     return result
 
 
@@ -343,6 +359,9 @@ def _decode(
                 tok = _routed_token(run, v, v.cloud_logits, cloud_tok, proposed, cache, seq, tie_nats)
             run.nll += lse - float(v.cloud_logits[tok])
             run.tokens.append(tok)
+            run.proposed.append(proposed)
+            if len(run.hard) < len(run.tokens):  # not a routed run, or the rule did not ask the router
+                run.hard.append(None)
             if stepper.edge.is_eog(tok):
                 run.done = True
             else:
@@ -406,6 +425,7 @@ def _routed_token(
         flagged = engine_flags(
             run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits
         )
+        run.hard.append(flagged)
     step = rule.step(flagged, guess, proposed)
     tok = proposed
     if step is Step.GUESS_TAKE:
