@@ -20,7 +20,8 @@ A position's tier is an int: `DEVICE` (0) keeps the device's token, `CLOUD` (1)
 asks the cloud's model, and 2, 3, ... the tiers above it where the pool has them
 (`--tier`: e.g. an 8B cloud, then a 70B one). The built-in `escalate` engine uses
 them: the policy says hard or easy as `router` does, and a hard position scoring at
-least `above` goes to the top tier.
+least `above` (or, with `top_share`, a threshold calibrated to that share of the hard
+positions) goes to the top tier.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from shared.policy import RoutingPolicy
+from shared.policy import RoutingPolicy, ScoreCalibrator
 
 ENTRY_POINT_GROUP = "tokenrouter.decision_engines"
 BUILTIN_ENGINE = "router"
@@ -94,14 +95,17 @@ class PolicyEngine:
 
 class EscalateEngine:
     """Built in, for a pool of tiers: the policy decides hard or easy (as `router`); a hard position
-    scoring at least `above` goes to the top tier, the other hard ones to the first cloud tier."""
+    scoring at least `above` goes to the top tier, the other hard ones to the first cloud tier.
+    With `top_share` instead, `above` is calibrated online (as the policy calibrates its threshold
+    to a cloud share) so that this share of the hard positions goes to the top tier."""
 
     name = "escalate"
 
-    def __init__(self, policy: RoutingPolicy, above: float, top: int) -> None:
+    def __init__(self, policy: RoutingPolicy, above: float, top: int, top_share: float | None = None) -> None:
         self.policy = policy
         self.above = above
         self.top = top
+        self.calibrator = ScoreCalibrator(top_share, initial_threshold=above) if top_share is not None else None
 
     def start_answer(self) -> None:
         pass
@@ -109,20 +113,28 @@ class EscalateEngine:
     def decide(self, position: Position) -> int:
         if not self.policy.decide(position.score):
             return DEVICE
+        if self.calibrator is not None:
+            self.above = self.calibrator.threshold  # the threshold before this score is observed
+            self.calibrator.observe(position.score)
         return self.top if position.score >= self.above else CLOUD
 
 
 def _escalate(setup: EngineSetup) -> DecisionEngine:
-    unknown = set(setup.options) - {"above"}
-    if unknown:
-        raise DecisionEngineError(f"escalate takes above=SCORE, not {', '.join(sorted(unknown))}")
-    try:
-        above = float(setup.options.get("above", "0.8"))
-    except ValueError:
-        raise DecisionEngineError(f"escalate: above must be a score within [0, 1], not {setup.options['above']!r}")
-    if not 0.0 <= above <= 1.0:
-        raise DecisionEngineError(f"escalate: above must be a score within [0, 1], not {above}")
-    return EscalateEngine(setup.policy, above, setup.tiers - 1)
+    unknown = set(setup.options) - {"above", "top_share"}
+    if unknown or {"above", "top_share"} <= set(setup.options):
+        raise DecisionEngineError(
+            f"escalate takes above=SCORE or top_share=FRACTION, not {', '.join(sorted(setup.options))}"
+        )
+    values = {}
+    for key, default in (("above", "0.8"), ("top_share", None)):
+        text = setup.options.get(key, default)
+        try:
+            values[key] = None if text is None else float(text)
+        except ValueError:
+            raise DecisionEngineError(f"escalate: {key} must be a number within [0, 1], not {text!r}") from None
+        if values[key] is not None and not 0.0 <= values[key] <= 1.0:
+            raise DecisionEngineError(f"escalate: {key} must be a number within [0, 1], not {values[key]}")
+    return EscalateEngine(setup.policy, values["above"], setup.tiers - 1, values["top_share"])
 
 
 class DecisionEngineError(ValueError):

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from shared.decision_engine import DecisionEngineError, EngineSetup, Position, build_engine
@@ -23,10 +24,25 @@ def test_escalate_sends_hard_positions_up_by_score():
     assert [engine.decide(Position(score=s)) for s in (0.1, 0.5, 0.69, 0.7, 0.95)] == [0, 1, 1, 2, 2]
     two = build_engine("escalate", EngineSetup(policy, {}, tiers=2))  # no tier above the cloud: the router
     assert [two.decide(Position(score=s)) for s in (0.1, 0.5, 0.95)] == [0, 1, 1]
-    with pytest.raises(DecisionEngineError, match="above must be a score"):
+    with pytest.raises(DecisionEngineError, match="above must be a number within"):
         build_engine("escalate:above=2", EngineSetup(policy, {}, tiers=3))
-    with pytest.raises(DecisionEngineError, match="escalate takes above"):
+    with pytest.raises(DecisionEngineError, match="escalate takes above=SCORE or top_share"):
         build_engine("escalate:below=0.2", EngineSetup(policy, {}, tiers=3))
+    with pytest.raises(DecisionEngineError, match="escalate takes above=SCORE or top_share"):
+        build_engine("escalate:above=0.5,top_share=0.2", EngineSetup(policy, {}, tiers=3))
+
+
+def test_escalate_calibrates_the_top_tiers_share_online():
+    """`top_share=0.2`: of the hard positions, about a fifth go to the top tier, whatever the scores'
+    scale (two score distributions, one threshold each would need)."""
+    rng = np.random.default_rng(0)
+    for scores in (rng.uniform(0.0, 1.0, 4000), rng.beta(1.0, 8.0, 4000)):  # a wide and a low distribution
+        policy = RoutingPolicy(PolicyConfig("router", threshold=0.0, cloud_fraction=None))  # every position hard
+        engine = build_engine("escalate:top_share=0.2", EngineSetup(policy, {}, tiers=3))
+        tiers = [engine.decide(Position(index=i, score=float(s))) for i, s in enumerate(scores)]
+        share = tiers[1000:].count(2) / len(tiers[1000:])  # after the calibrator has seen 1000 scores
+        assert 0.15 < share < 0.25, share
+        assert set(tiers) == {1, 2}
 
 
 def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
