@@ -259,7 +259,8 @@ class CloudSession:
     def align(self, history: list[int]) -> None:
         """In a pool of tiers another tier may rewrite the device's history (a text tier re-tokenizes
         the answer): roll this token session back to the prefix it shares with `history`, so what it
-        is sent next continues what it holds. A text session aligns by its text already."""
+        is sent next continues what it holds (Turn.align calls it after a rewrite). A text session
+        aligns by its text already."""
         link = self.link
         if link is None or link.mode == "text":
             return

@@ -70,8 +70,7 @@ class TokenHistory:
     def ask(
         self, turn: Turn, cloud: CloudSession, proposed: int, hidden: np.ndarray, score: float | None, explore: bool
     ) -> bool:
-        if turn.tiers:  # another tier may have rewritten the device's history (a text tier re-tokenizes it)
-            cloud.align(turn.decoder.history)
+        turn.align()  # another tier may have rewritten the device's history (a text tier re-tokenizes it)
         got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead, explore=explore)
         if got is None:
             return False
@@ -218,6 +217,8 @@ class TextHistory:
         pieces, text = device_pieces(turn.model, got.text, got.eog, turn.room())
         answer = dec.history[start:]
         keep, add = view.reconcile(answer, view.text_of(answer) + text)
+        if keep < len(answer):
+            turn.rewrote_history()
         dec.truncate(start + keep)
         dec.history.extend(add)  # decoded when next needed (the KV cache follows lazily)
         cloud.text_taken(len(dec.history))

@@ -83,8 +83,7 @@ class ClauseCheck:
     def run(self, turn: Turn) -> None:
         dec, cloud = turn.decoder, turn.cloud
         start = len(dec.history)
-        if turn.tiers:
-            cloud.align(dec.history)  # another tier may have rewritten the device's history
+        turn.align()  # another tier may have rewritten the device's history
         cloud.sync(dec.history)  # what the cloud lacks: it prefills it while the device drafts
         if not cloud.up:
             return  # lost: the per-token phase finishes on the device

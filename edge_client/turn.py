@@ -61,6 +61,7 @@ class Turn:
     tier_writes: list[tuple[int, int, int]] = field(default_factory=list)  # answer [start, end) by tiers >= 2
     _joined: set[int] = field(default_factory=set)
     _last_written: dict[int, int] = field(default_factory=dict)  # tier >= 2 -> answer length when it last wrote
+    _rewritten: bool = False  # a text tier re-tokenized the device's history since the sessions were aligned
 
     @property
     def answer(self) -> Answer:
@@ -128,19 +129,30 @@ class Turn:
             self.decoder.truncate(start + accepted)
             self.decoder.append(token)
 
+    def rewrote_history(self) -> None:
+        """The device's history was re-tokenized (a text tier's reply): token sessions must be aligned
+        before they are sent more."""
+        self._rewritten = bool(self.tiers)  # with one cloud, its own session follows its own text
+
+    def align(self) -> None:
+        """After a rewrite, roll each token session back to what it shares with the device's history
+        (CloudSession.align); nothing to do otherwise, so the per-token loop pays no comparison."""
+        if self._rewritten:
+            self._rewritten = False
+            for session in (self.cloud, *self.tiers):
+                session.align(self.decoder.history)
+
     def sync_eagerly(self) -> None:
         """Send the final device tokens the cloud lacks once there are `sync_every` of them; likewise to a
         tier above it that wrote within the last `prefetch_window` positions (else it is brought up to
         date when next asked)."""
         cloud, every, history = self.cloud, self.opts.sync_every, self.decoder.history
-        if self.tiers and cloud.up:
-            cloud.align(history)
+        self.align()
         if cloud.up and every > 0 and len(history) - cloud.cloud_len >= every:
             cloud.sync(history)
         for tier, last in self._last_written.items():  # prefetch: the tiers likely to be asked again soon
             session = self.tiers[tier - 2]
             if len(self.answer.tokens) - last <= self.opts.prefetch_window and session.up and every > 0:
-                session.align(history)
                 if len(history) - session.cloud_len >= every:
                     session.sync(history)
 

@@ -26,7 +26,7 @@ positions) goes to the top tier.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import Callable, Protocol
 
@@ -156,8 +156,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def installed_engines() -> dict[str, Callable[[EngineSetup], DecisionEngine]]:
-    """Engines by name: the built-in one and every entry point of the group (loaded lazily)."""
-    found: dict[str, Callable[[EngineSetup], DecisionEngine]] = {BUILTIN_ENGINE: _builtin, "escalate": _escalate}
+    """Engines by name: the built-in ones and every entry point of the group (loaded lazily)."""
+    found = dict(_BUILTINS)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in found:
             found[ep.name] = _lazy(ep)
@@ -168,6 +168,9 @@ def _builtin(setup: EngineSetup) -> DecisionEngine:
     if setup.options:
         raise DecisionEngineError(f"the built-in engine {BUILTIN_ENGINE!r} takes no options: {setup.options}")
     return PolicyEngine(setup.policy)
+
+
+_BUILTINS: dict[str, Callable[[EngineSetup], DecisionEngine]] = {BUILTIN_ENGINE: _builtin, "escalate": _escalate}
 
 
 def _lazy(ep) -> Callable[[EngineSetup], DecisionEngine]:
@@ -183,29 +186,33 @@ def _lazy(ep) -> Callable[[EngineSetup], DecisionEngine]:
     return make
 
 
-def engine_name(spec: str) -> str:
-    """Check that `spec` names an installed engine (without building it); returns its name."""
-    name, _ = parse_spec(spec)
-    if name in (BUILTIN_ENGINE, "escalate"):
-        return name
+def _factory(name: str) -> Callable[[EngineSetup], DecisionEngine]:
+    """The factory of the engine `name` (a built-in one without reading the installed packages)."""
+    if name in _BUILTINS:
+        return _BUILTINS[name]
     known = installed_engines()
     if name not in known:
         raise DecisionEngineError(
             f"no decision engine {name!r} is installed (installed: {', '.join(sorted(known))}); "
             f"install a package with a {ENTRY_POINT_GROUP!r} entry point named {name!r}"
         )
+    return known[name]
+
+
+def engine_name(spec: str) -> str:
+    """Check that `spec` names an installed engine (without building it); returns its name."""
+    name, _ = parse_spec(spec)
+    _factory(name)
     return name
 
 
 def build_engine(spec: str, setup: EngineSetup) -> DecisionEngine:
     """The engine `spec` names, built for `setup` (its options filled from `spec`), and checked
     to have the protocol's methods."""
-    name = engine_name(spec)
-    _, options = parse_spec(spec)
+    name, options = parse_spec(spec)
+    factory = _factory(name)
     try:
-        engine = installed_engines()[name](
-            EngineSetup(setup.policy, options, setup.edge_model, setup.cloud_model, setup.tiers)
-        )
+        engine = factory(replace(setup, options=options))
     except DecisionEngineError:
         raise
     except Exception as exc:
@@ -229,23 +236,10 @@ def engine_tier(
     tiers: int = 2,
 ) -> int:
     """The tier that writes this position: `engine` decides, shown `at` (a reused Position, filled
-    here), checked against the pool's `tiers`. The one call the device's generator (edge_client/turn.py,
-    `Turn.flag`) and the trainer's evals (models/train/) make."""
+    here), checked against the pool's `tiers` (the evals' pool: 2). The one call the device's generator
+    (edge_client/turn.py, `Turn.flag`) and the trainer's evals (models/train/) make."""
     at.index, at.proposed, at.score, at.hidden, at.logits = index, proposed, score, hidden, logits
     return checked_tier(engine, engine.decide(at), tiers)
-
-
-def engine_flags(
-    engine: DecisionEngine,
-    at: Position,
-    index: int,
-    proposed: int,
-    score: float,
-    hidden: np.ndarray,
-    logits: np.ndarray,
-) -> bool:
-    """Is this position hard (any cloud tier)? `engine_tier` in a two-tier pool (the evals)."""
-    return engine_tier(engine, at, index, proposed, score, hidden, logits) != DEVICE
 
 
 def checked_tier(engine: DecisionEngine, tier: int, tiers: int = 2) -> int:

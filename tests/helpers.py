@@ -15,17 +15,33 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from cloud_server.local import LocalCloudServer
+from edge_client.answer import Answer
 from edge_client.cloud_link import CloudLink
 from edge_client.generator import RoutedGenerator
 from edge_client.options import GeneratorOptions
-from shared.decision import TIE_NATS
+from edge_client.turn import Turn
+from edge_client.writer import AnswerWriter
+from shared.decision import TIE_NATS, AnswerRule, ClauseEnds, OverruledShare
 from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.model_info import ModelInfo
 from shared.policy import RoutingPolicy
 from shared.protocol import PROTOCOL_VERSION, Hello
 from shared.router import HeuristicRouter, Router
+from shared.sampling import Sampler
 from tests.conftest import ROOT, chat
+
+
+def ask_cli(question: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`tokenrouter-edge ask QUESTION --json FLAGS...` as a user runs it (a child process)."""
+    return subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "ask", question, "--json", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def get(url: str) -> str:
@@ -132,6 +148,31 @@ def make_generator(
         router=router or HeuristicRouter("entropy", edge.n_vocab),
         policy=policy,
         tier_connects=tier_connects,
+    )
+
+
+def make_turn(gen: RoutedGenerator, prompt: list[int], messages: list[dict] | None = None) -> Turn:
+    """A Turn as RoutedGenerator._generate builds it, for driving its parts directly (the text
+    history's `take_text`, the alignment of the pool's sessions)."""
+    edge = gen.edge
+    return Turn(
+        model=edge,
+        decoder=gen.decoder,
+        router=gen.router,
+        policy=gen.policy,
+        engine=gen.engine,
+        rule=AnswerRule(gen.opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog)),
+        cloud=gen.cloud,
+        sampler=Sampler(gen.opts.sampling()),
+        opts=gen.opts,
+        out=AnswerWriter(edge, Answer(policy="router"), len(prompt)),
+        clause_ends=ClauseEnds(edge.token_bytes, edge.is_eog),
+        overruled=OverruledShare(),
+        max_tokens=64,
+        text=gen.answer_text,
+        prompt_len=len(prompt),
+        tiers=gen.tiers,
+        messages=messages or [],
     )
 
 

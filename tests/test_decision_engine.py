@@ -29,7 +29,7 @@ from shared.decision_engine import (
 )
 from shared.policy import PolicyConfig, RoutingPolicy
 from tests.conftest import QUESTIONS, chat
-from tests.helpers import make_generator
+from tests.helpers import ask_cli, make_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "budget-engine"
@@ -149,14 +149,7 @@ def test_the_command_line_runs_an_installed_engine(budget_installed):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(budget_installed), str(ROOT)]))
 
     def ask(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "edge_client.cli", "ask", "why is the sky blue", "--json", *flags],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return ask_cli("why is the sky blue", *flags, env=env)
 
     p = ask("--decision-engine", "budget:max_cloud=2", "--max-tokens", "32")
     assert p.returncode == 0, p.stderr

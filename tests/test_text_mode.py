@@ -15,12 +15,8 @@ import pytest
 from websockets.sync.client import connect
 
 from cloud_server.local import LocalCloudServer
-from edge_client.answer import Answer
 from edge_client.cloud_link import CloudLink, CloudRejected, CloudText
 from edge_client.shared_history import TEXT
-from edge_client.turn import Turn
-from edge_client.writer import AnswerWriter
-from shared.decision import AnswerRule, ClauseEnds, OverruledShare
 from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import LlamaModel
 from shared.protocol import (
@@ -44,7 +40,7 @@ from shared.protocol import (
 )
 from shared.router import HeuristicRouter
 from shared.routing_log import read
-from shared.sampling import Guess, Sampler, regret
+from shared.sampling import Guess, regret
 from shared.text_history import (
     SPAN_TOKENS,
     UTF8_EXTRA,
@@ -62,6 +58,7 @@ from tests.helpers import (
     departs_where_the_text_retokenizes,
     hello,
     make_generator,
+    make_turn,
     reference_greedy,
     teacher_forced_logits,
     text_agrees_up_to_a_tie,
@@ -349,28 +346,6 @@ def test_cloud_rolls_back_across_a_token_boundary(gemma_server, gemma_info, edge
 # --------------------------------------------------------------------------- the device's side
 
 
-def _turn(gen, edge: LlamaModel, prompt: list[int]) -> Turn:
-    """A Turn as RoutedGenerator._generate builds it (for driving the text history's `take_text` directly)."""
-    answer = Answer(policy="router")
-    return Turn(
-        model=edge,
-        decoder=gen.decoder,
-        router=gen.router,
-        policy=gen.policy,
-        engine=gen.engine,
-        rule=AnswerRule(gen.opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog)),
-        cloud=gen.cloud,
-        sampler=Sampler(gen.opts.sampling()),
-        opts=gen.opts,
-        out=AnswerWriter(edge, answer, len(prompt)),
-        clause_ends=ClauseEnds(edge.token_bytes, edge.is_eog),
-        overruled=OverruledShare(),
-        max_tokens=64,
-        text=gen.answer_text,
-        prompt_len=len(prompt),
-    )
-
-
 def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model):
     """The device holds "Hello wor" (its last token " wor"); the cloud's text "ld! How" arrives.
     The device's history becomes its own tokens of "Hello world! How" (" wor" rolled back), its KV
@@ -384,7 +359,7 @@ def test_device_rolls_back_its_partial_token_when_cloud_text_arrives(edge_model)
         view = gen.answer_text
         gen.decoder.set_history(prompt + view.tokens(b"Hello wor"))
         gen.decoder.next_distribution()  # " wor" is in the KV cache
-        turn = _turn(gen, edge_model, prompt)
+        turn = make_turn(gen, prompt)
         TEXT.take_text(turn, gen.cloud, CloudText(b"ld! How", 3, -1.0, False), 0.9)
         assert gen.decoder.history == prompt + view.tokens(b"Hello world! How")
         assert gen.decoder._n_decoded == len(prompt) + 1, "the cache kept 'Hello' and dropped ' wor'"

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from edge_client.cloud_link import CloudText
+from edge_client.shared_history import TEXT
 from shared.decision_engine import DecisionEngineError, EngineSetup, Position, build_engine
 from shared.policy import PolicyConfig, RoutingPolicy
-from tests.conftest import GEMMA, LONG_QUESTIONS, ROOT, chat
-from tests.helpers import make_generator, metric
+from tests.conftest import GEMMA, LONG_QUESTIONS, chat
+from tests.helpers import ask_cli, make_generator, make_turn, metric
 
 
 def test_escalate_sends_hard_positions_up_by_score():
@@ -92,13 +93,7 @@ def test_the_command_line_runs_a_pool():
     servers, and the JSON's tiers show both; a malformed tier is refused before any model loads."""
 
     def ask(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "edge_client.cli", "ask", "explain how vaccines work", "--json", *flags],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return ask_cli("explain how vaccines work", *flags)
 
     flags = ["--tier", f"local:{GEMMA}", "--decision-engine", "escalate:above=0.15", "--router", "entropy"]
     p = ask(*flags, "--threshold", "0", "--max-tokens", "24")
@@ -142,3 +137,26 @@ def test_prefetch_keeps_a_tier_in_use_in_step(edge_model, cloud_server, gemma_se
         assert spent.round_trips == 1
         sent[window] = spent.bytes_up
     assert sent[8] > sent[0]
+
+
+def test_a_text_tiers_rewrite_rolls_the_token_cloud_back(edge_model, cloud_server, gemma_server):
+    """The cloud (tokens) holds the device's "Hello wor"; the text tier's "ld! How" makes the device
+    re-tokenize to "Hello world! How" (" wor" rolled back). The next sync first rolls the cloud back
+    to what it shares with the device's history: it holds exactly that history after it, not
+    " wor" followed by the new tokens."""
+    gen = make_generator(edge_model, cloud_server, tiers=[gemma_server], sync_every=1)
+    try:
+        messages = chat("say hello")
+        prompt = edge_model.chat_tokens(messages)
+        assert gen.cloud.start_answer(messages, prompt, lambda: gen.decoder.history)
+        gen.decoder.set_history(prompt + gen.answer_text.tokens(b"Hello wor"))
+        gen.cloud.sync(gen.decoder.history)
+        turn = make_turn(gen, prompt, messages)
+        top = turn.cloud_for(2)
+        assert top is not None and top.text
+        TEXT.take_text(turn, top, CloudText(b"ld! How", 3, -1.0, False), 0.9)
+        assert gen.decoder.history == prompt + gen.answer_text.tokens(b"Hello world! How")
+        turn.sync_eagerly()
+        assert gen.cloud.link is not None and gen.cloud.link.held == gen.decoder.history
+    finally:
+        gen.close()

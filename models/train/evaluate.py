@@ -75,7 +75,7 @@ from shared.decision import (
     draft_ends,
     judge_draft,
 )
-from shared.decision_engine import BUILTIN_ENGINE, DecisionEngine, EngineSetup, build_engine, engine_flags
+from shared.decision_engine import BUILTIN_ENGINE, DEVICE, DecisionEngine, EngineSetup, build_engine, engine_tier
 from shared.decision_engine import Position as EnginePosition
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.llama_backend import LlamaModel
@@ -422,9 +422,10 @@ def _routed_token(
         if isinstance(run.router, RandomRouter) or key not in cache:
             cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
         assert run.engine is not None
-        flagged = engine_flags(
+        tier = engine_tier(
             run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits
         )
+        flagged = tier != DEVICE
         run.hard.append(flagged)
     step = rule.step(flagged, guess, proposed)
     tok = proposed

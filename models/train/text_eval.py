@@ -40,7 +40,7 @@ import numpy as np
 from models.registry import model_info
 from models.train.gap import gap_interval
 from shared.decision import AnswerRule, RuleOptions, Step, cloud_choice
-from shared.decision_engine import BUILTIN_ENGINE, DecisionEngine, EngineSetup, build_engine, engine_flags
+from shared.decision_engine import BUILTIN_ENGINE, DEVICE, DecisionEngine, EngineSetup, build_engine, engine_tier
 from shared.decision_engine import Position as EnginePosition
 from shared.learned_router import LearnedRouter, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
@@ -230,7 +230,9 @@ def _routed(
             a.scores.append(score)
             if also is not None:
                 a.also.append(also.score(hidden, logits, proposed))
-            hard = always or (engine is not None and engine_flags(engine, at, n, proposed, score, hidden, logits))
+            hard = always or (
+                engine is not None and engine_tier(engine, at, n, proposed, score, hidden, logits) != DEVICE
+            )
             if hard and complete_utf8(a.text) == len(a.text):
                 span, eog = _cloud_span(cloud, a.text, edge.model.token_bytes(proposed), sampler)
                 n += _take_cloud_text(a, edge, cloud.view.join(a.text, span)[len(a.text) :], max_tokens - n)
