@@ -30,7 +30,7 @@ from websockets.exceptions import WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
 from edge_client.answer import Traffic
-from shared.model_info import ModelInfo
+from shared.model_info import ALLOW_BASE_MODEL_HINT, BASE_MODEL_NOTE, ModelInfo
 from shared.protocol import (
     ALL_CAPABILITIES,
     PROTOCOL_VERSION,
@@ -184,13 +184,15 @@ class CloudLink:
         sampling: SamplingParams,
         text_mode: str,
         resume: bool = False,
+        refuse_base_model: bool = False,
     ) -> Accept:
         """hello -> accept; then make sure the cloud holds exactly `prompt`. `text_mode` (protocol
         v3, GeneratorOptions.text_mode): whether the device offers to share the answer as text
         ("auto": where the tokenizers differ; "always"; "never": a v2 device, tokens only). In a
         text session each side renders `messages` itself: the cloud holds no answer text yet.
         `resume`: this session rebuilds one lost mid-answer (a failover; `prompt` then holds the
-        answer so far), which the server counts."""
+        answer so far), which the server counts. `refuse_base_model` (GeneratorOptions.allow_base_model
+        off): a cloud whose accept says its model is a base model is refused (CloudRejected `base_model`)."""
         try:
             # entered as a context manager (websockets >= 17 asks for it); close_quietly exits it
             self._ws = connect(
@@ -229,6 +231,12 @@ class CloudLink:
         if not isinstance(reply, Accept):
             self.close_quietly()
             raise CloudUnavailable(f"cloud answered hello with {reply.type}")
+        if refuse_base_model and reply.base_model:
+            self.close_quietly()
+            raise CloudRejected(
+                "base_model",
+                f"its model ({reply.cloud_model[:23]}) is a base model: {BASE_MODEL_NOTE}; {ALLOW_BASE_MODEL_HINT}",
+            )
         self.accept = reply
         self._max_bytes = reply.max_message_bytes
         self.messages = messages

@@ -64,6 +64,7 @@ class CloudSession:
         reconnect_wait_s: float,
         max_consecutive_timeouts: int = 3,
         answer_text: AnswerText | None = None,
+        allow_base_model: bool = False,
     ) -> None:
         """`text_mode` (protocol v3): "never", "auto" (text where the tokenizers differ) or
         "always", as the options say (GeneratorOptions.text_mode: the one default); `answer_text`:
@@ -71,6 +72,7 @@ class CloudSession:
         `reconnect_wait_s`: the failover (GeneratorOptions, the one default)."""
         self._connect = connect
         self.text_mode = text_mode
+        self.allow_base_model = allow_base_model  # else a cloud whose accept says base_model is refused
         self.answer_text = answer_text
         self._prompt_len = 0  # text mode: where the answer starts in the device's history
         self._covered = 0  # text mode: how much of the device's history the cloud's text covers
@@ -157,7 +159,14 @@ class CloudSession:
             if self.link is None:
                 link = self._connect()
                 try:
-                    link.open(self.edge, messages, prompt, self.sampling, self.text_mode)
+                    link.open(
+                        self.edge,
+                        messages,
+                        prompt,
+                        self.sampling,
+                        self.text_mode,
+                        refuse_base_model=not self.allow_base_model,
+                    )
                 finally:
                     self.link = link if link.connected else None
                     if self.link is None:
@@ -213,7 +222,15 @@ class CloudSession:
         assert self._connect is not None
         link = self._connect()
         try:
-            link.open(self.edge, messages, history, self.sampling, self.text_mode, resume=True)
+            link.open(
+                self.edge,
+                messages,
+                history,
+                self.sampling,
+                self.text_mode,
+                resume=True,
+                refuse_base_model=not self.allow_base_model,  # another replica may serve another model
+            )
             if link.mode == "text":  # the rebuilt session holds the answer's text so far
                 self.link, self._covered = link, self._prompt_len
                 self._text_sync(history)

@@ -48,7 +48,7 @@ from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RuleOptions
 from shared.decision_engine import DecisionEngine, EngineSetup, build_engine
 from shared.learned_router import load_router
 from shared.llama_backend import LlamaModel
-from shared.model_info import ModelInfo
+from shared.model_info import ALLOW_BASE_MODEL_HINT, BASE_MODEL_NOTE, ModelInfo
 from shared.policy import RoutingPolicy
 from shared.protocol import CAP_GUESS, CAP_VERIFY
 from shared.router import HeuristicRouter, Router
@@ -78,6 +78,10 @@ class RoutedGenerator:
         """`router` and `policy` default to the ones `opts` names; `connect` opens a link to the
         cloud (None: device only); `tier_connects` to each tier above it (a pool of models)."""
         opts.validate()
+        if not edge.info.chat and not opts.allow_base_model:  # a .gguf path the registry does not mark
+            raise ValueError(
+                f"the device model {edge.info.name} is a base model: {BASE_MODEL_NOTE}; {ALLOW_BASE_MODEL_HINT}"
+            )
         self.edge = edge
         self.opts = opts
         self.router = router or build_router(
@@ -95,9 +99,11 @@ class RoutedGenerator:
                 reconnects=opts.reconnects,
                 reconnect_wait_s=opts.reconnect_wait_s,
                 answer_text=self.answer_text,
+                allow_base_model=opts.allow_base_model,
             )
             for c in (connect, *(tier_connects if connect is not None else ()))
         )
+        self.tier_routers = self._tier_routers(opts) if self.tiers else []
         self.engine = self._engine(opts, self.policy)  # for this pool's tiers (above)
         self.exploration = opts.exploration()  # kept across answers: its budget is per minute
         self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
@@ -130,6 +136,7 @@ class RoutedGenerator:
             self.opts = opts
             for session in (self.cloud, *self.tiers):
                 session.reconnects, session.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
+                session.allow_base_model = opts.allow_base_model
             self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
             self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
 
@@ -139,6 +146,18 @@ class RoutedGenerator:
         with self._lock:
             self.cloud.retire()
             self.cloud.last_error = ""  # an error of the old target says nothing about the new one
+
+    def _tier_routers(self, opts: GeneratorOptions) -> list[Router | None]:
+        """Per tier, the learned router shipped for the device and a local tier's model (an expected gain
+        per tier for engines such as `cost`); [] when no tier has one (every tier reads the pair's score)."""
+        routers: list[Router | None] = [None, None]
+        for tier in opts.tiers:
+            model = tier[len("local:") :] if tier.startswith("local:") else ""  # a URL's model is not known here
+            path = shipped_router(self.edge.info.name, model) if model else None
+            routers.append(
+                None if path is None else build_router(str(path), self.edge.n_vocab, self.edge.info, "error", model)
+            )
+        return routers if any(r is not None for r in routers) else []
 
     def _engine(self, opts: GeneratorOptions, policy: RoutingPolicy) -> DecisionEngine:
         """The decision engine the options name, built around `policy`, for this pool's tiers."""
@@ -316,6 +335,7 @@ class RoutedGenerator:
             text=self.answer_text,
             prompt_len=len(prompt),
             tiers=self.tiers if use_cloud else [],
+            tier_routers=self.tier_routers if use_cloud else [],
             messages=messages,
         )
         while not turn.finished():
@@ -353,9 +373,6 @@ class RoutedGenerator:
 _DEVICE_ONLY = DeviceOnly()
 _STREAM = CloudStream()
 _CHECK = ClauseCheck()
-
-
-BASE_MODEL_NOTE = "it continues text and was not tuned to answer, so what it writes may not read as an answer"
 
 
 def base_model_warnings(edge: ModelInfo, cloud_is_base: bool) -> list[str]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
+from models.registry import BASE_MODELS, DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.cpus import parse_cpus
 from shared.decision import CHECK_MAX_DRAFT, SYNC_EVERY, RuleOptions
 from shared.decision_engine import BUILTIN_ENGINE, engine_name
 from shared.exploration import Exploration
+from shared.model_info import ALLOW_BASE_MODEL_HINT, BASE_MODEL_NOTE
 from shared.policy import PolicyConfig
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.protocol import TEXT_MODES, SamplingParams
@@ -39,6 +40,9 @@ class GeneratorOptions:
     # Prefetch: a tier above the cloud that wrote a position within the last prefetch_window positions is kept
     # in step like the cloud (sync_every), so its next request has little left to prefill; 0: only when asked
     prefetch_window: int = 8
+    # A base model (no chat template: models/registry.py BASE_MODELS, or a cloud whose accept says so) continues
+    # text rather than answering; it is refused as an answer writer on either side unless this is set
+    allow_base_model: bool = False
     # The CPUs a `local` server runs on ("2,3"; "" = the device's own): on a machine with cores to spare,
     # a loopback cloud off the device's cores stands for one on other hardware (bench_voice.py --cloud-cpus)
     cloud_cpus: str = ""
@@ -118,6 +122,19 @@ class GeneratorOptions:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
+    def refuse_base_models(self) -> None:
+        """A registered base model named as the device's model, the local cloud's or a local tier's is
+        refused before anything loads (a remote cloud's is refused when its accept says so)."""
+        if self.allow_base_model:
+            return
+        named = [("edge_model (--edge-model)", self.edge_model)]
+        if self.cloud == "local" and not self.policy_config().device_alone:
+            named.append(("cloud_model (--cloud-model)", self.cloud_model))
+        named += [("a tier (--tier)", t[len("local:") :]) for t in self.tiers if t.startswith("local:")]
+        for what, model in named:
+            if model in BASE_MODELS:
+                raise ValueError(f"{what} {model!r} is a base model: {BASE_MODEL_NOTE}; {ALLOW_BASE_MODEL_HINT}")
+
     def validate(self) -> None:
         """Refuse settings the generator cannot use, naming the flag."""
         self.rule()
@@ -138,6 +155,7 @@ class GeneratorOptions:
         for tier in self.tiers:
             if not (tier.startswith(("ws://", "wss://")) or (tier.startswith("local:") and len(tier) > 6)):
                 raise ValueError(f"a tier (--tier) is local:MODEL or a ws:// or wss:// URL, not {tier!r}")
+        self.refuse_base_models()
         if self.prefetch_window < 0:
             raise ValueError(f"prefetch_window (--prefetch-window) must be >= 0, not {self.prefetch_window}")
         if self.tiers and self.cloud == "none":

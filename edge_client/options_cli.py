@@ -38,6 +38,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=D.api_key, help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
     p.add_argument("--edge-model", default=D.edge_model, help="registered name or .gguf path")
     p.add_argument("--cloud-model", default=D.cloud_model, help="model of the local cloud server")
+    p.add_argument(
+        "--allow-base-model",
+        action="store_true",
+        default=D.allow_base_model,
+        help="let a base model (no chat template; `tokenrouter-edge models` marks them) write answers: it "
+        "continues text, so its answers may not read as answers (refused without this flag)",
+    )
     p.add_argument("--policy", choices=["edge", "cloud", "router"], default=D.policy)
     g = p.add_mutually_exclusive_group()
     g.add_argument(
@@ -161,6 +168,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         cloud=args.cloud,
         tiers=tuple(args.tier or D.tiers),
         prefetch_window=args.prefetch_window,
+        allow_base_model=args.allow_base_model,
         api_key=args.api_key,
         policy=args.policy,
         threshold=D.threshold if args.threshold is None else args.threshold,  # a threshold replaces the target

@@ -22,6 +22,7 @@ from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
 from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Position, engine_tier
 from shared.exploration import Exploration
+from shared.learned_router import score_after
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
@@ -62,6 +63,11 @@ class Turn:
     _joined: set[int] = field(default_factory=set)
     _last_written: dict[int, int] = field(default_factory=dict)  # tier >= 2 -> answer length when it last wrote
     _rewritten: bool = False  # a text tier re-tokenized the device's history since the sessions were aligned
+    # Per tier (index = tier), the router trained for the device and that tier's model where one ships
+    # (None: the pair's router stands in); empty when no tier has its own
+    tier_routers: list[Router | None] = field(default_factory=list)
+    _clause_scan: int = 0  # the history up to here holds no clause end (Position.in_first_clause)
+    _clause_ended: bool = False
 
     @property
     def answer(self) -> Answer:
@@ -84,9 +90,33 @@ class Turn:
         score = self.router.score(hidden, logits, proposed)
         index = len(self.decoder.history) - self.prompt_len
         n_tiers = 2 + len(self.tiers)
+        if self.tier_routers:
+            self._score_tiers(score, hidden, logits, proposed)
+        self.position.in_first_clause = self._in_first_clause()
         self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
         return score, self.tier != DEVICE
+
+    def _score_tiers(self, score: float, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> None:
+        """Each tier's expected gain into the reused Position.tier_scores (allocated once per turn)."""
+        scores = self.position.tier_scores
+        if len(scores) != len(self.tier_routers):
+            scores = self.position.tier_scores = np.zeros(len(self.tier_routers), np.float32)
+        scores[1] = score
+        for tier in range(2, len(self.tier_routers)):
+            router = self.tier_routers[tier]
+            scores[tier] = score if router is None else score_after(router, self.router, hidden, logits, proposed)
+
+    def _in_first_clause(self) -> bool:
+        """No clause end in the answer so far (each token is looked at once)."""
+        if not self._clause_ended:
+            history = self.decoder.history
+            for i in range(max(self._clause_scan, self.prompt_len), len(history)):
+                if self.clause_ends(history[i]):
+                    self._clause_ended = True
+                    break
+            self._clause_scan = len(history)
+        return not self._clause_ended
 
     def cloud_for(self, tier: int) -> CloudSession | None:
         """The session of `tier` (1: `cloud`), joining this answer when first asked; None when it is not up

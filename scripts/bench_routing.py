@@ -6,7 +6,9 @@ Reports, on this machine:
   1. router decision time per token (logit features + score + policy), in the real loop and isolated;
   2. device tokens/s with and without reading the hidden state (embeddings on/off);
   3. the loopback round trip of one hard token against the cloud's own compute for it;
-  4. switching a session by saving/restoring its KV state vs keeping a sequence per session.
+  4. switching a session by saving/restoring its KV state vs keeping a sequence per session;
+  5. the decision per position with a pool of three tiers (the `cost` engine reading a second learned
+     router, Gemma's tier) against the pair's (the built-in engine), alternating in the real loop.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import numpy as np
 from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink
 from edge_client.decoder import EdgeDecoder
+from edge_client.generator import build_router, shipped_router
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
+from shared.decision_engine import EngineSetup, Position, build_engine, engine_tier
+from shared.learned_router import score_after
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
@@ -92,6 +97,42 @@ def bench_router(edge: LlamaModel, n_tokens: int) -> dict:
         "null_router_plus_policy_us_p50_in_loop": pct(null, 50),
         "router_score_us_p50_warm": pct(isolated, 50),
         "policy_decide_us_p50_warm": pct(decide, 50),
+    }
+
+
+def bench_tiers(edge: LlamaModel, n_tokens: int, top: str = "gemma3-270m") -> dict:
+    """The whole decision at a position as Turn.flag makes it: the pair's router and the built-in engine,
+    against three tiers (the pair's router, the router shipped for the device and `top`, the `cost`
+    engine), alternating position by position in the real decode loop."""
+    dec = EdgeDecoder(edge, n_ctx=2048)
+    dec.set_history(edge.chat_tokens(PROMPT))
+    router = build_router("auto", edge.n_vocab, edge.info, "error", DEFAULT_CLOUD_MODEL)
+    path = shipped_router(edge.info.name, top)
+    top_router = build_router(str(path), edge.n_vocab, edge.info, "error", top) if path else router
+    policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=router.threshold_for)
+    pair = build_engine("router", EngineSetup(policy, {}, tiers=2))
+    pool = build_engine("cost", EngineSetup(policy, {}, tiers=3))
+    at_pair, at_pool = Position(), Position(tier_scores=np.zeros(3, np.float32))
+    times: dict[str, list[float]] = {"pair": [], "three_tiers": []}
+    for i in range(2 * n_tokens):
+        logits, hidden = dec.next_distribution()
+        token = int(np.argmax(logits))
+        t0 = time.perf_counter()
+        score = router.score(hidden, logits, token)
+        if i % 2 == 0:
+            engine_tier(pair, at_pair, i, token, score, hidden, logits, 2)
+        else:
+            at_pool.tier_scores[1] = score
+            at_pool.tier_scores[2] = score_after(top_router, router, hidden, logits, token)  # as Turn.flag
+            engine_tier(pool, at_pool, i, token, score, hidden, logits, 3)
+        times["pair" if i % 2 == 0 else "three_tiers"].append((time.perf_counter() - t0) * 1e6)
+        dec.append(token)
+    dec.close()
+    return {
+        "routers": f"{router.name} + {top_router.name}",
+        "pair_decision_us_p50_in_loop": pct(times["pair"], 50),
+        "three_tier_decision_us_p50_in_loop": pct(times["three_tiers"], 50),
+        "three_tier_decision_us_p95_in_loop": pct(times["three_tiers"], 95),
     }
 
 
@@ -194,13 +235,14 @@ def main() -> None:
         "decode": bench_decode(edge, args.tokens),
         "round_trip": bench_round_trip(edge, args.hard_tokens),
         "session_switch": bench_session_switch(cloud),
+        "tiers": bench_tiers(edge, args.tokens),
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return
     m = result["machine"]
     print(f"machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, llama-cpp-python {m['llama_cpp_python']}")
-    for section in ("router", "decode", "round_trip", "session_switch"):
+    for section in ("router", "decode", "round_trip", "session_switch", "tiers"):
         print(f"\n[{section}]")
         for k, v in result[section].items():
             print(f"  {k:36s} {v:10.3f}" if isinstance(v, float) else f"  {k:36s} {v:>10}")

@@ -82,6 +82,7 @@ def main() -> None:
             lookahead=False,
             check="off",
             decision_engine=f"escalate:above={args.above}",
+            allow_base_model=True,  # the top tier stand-in is Gemma-3-270M, a base model
             max_tokens=args.max_tokens,
         )
         gens = {

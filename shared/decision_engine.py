@@ -21,61 +21,31 @@ asks the cloud's model, and 2, 3, ... the tiers above it where the pool has them
 (`--tier`: e.g. an 8B cloud, then a 70B one). The built-in `escalate` engine uses
 them: the policy says hard or easy as `router` does, and a hard position scoring at
 least `above` (or, with `top_share`, a threshold calibrated to that share of the hard
-positions) goes to the top tier.
+positions) goes to the top tier. The built-in `cost` engine (shared/cost_engine.py) chooses, per
+position, the tier whose expected gain best pays for its GPU cost under per-answer budgets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from importlib.metadata import entry_points
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
+from shared.cost_engine import make_cost_engine
+from shared.decision_engine_api import (  # the types an engine is written against, importable from here too
+    CLOUD,
+    DEVICE,
+    DecisionEngine,
+    DecisionEngineError,
+    EngineSetup,
+    Position,
+)
 from shared.policy import RoutingPolicy, ScoreCalibrator
 
 ENTRY_POINT_GROUP = "tokenrouter.decision_engines"
 BUILTIN_ENGINE = "router"
-DEVICE, CLOUD = 0, 1
-
-
-@dataclass(slots=True)
-class Position:
-    """One answer position as an engine sees it. The generator reuses one object per answer
-    and the arrays are views into the model's buffers: read them during `decide` only (copy
-    what you keep)."""
-
-    index: int = 0  # the position in the answer, from 0
-    proposed: int = -1  # the device model's token there
-    score: float = 0.0  # the router's score, 0 (easy) to 1 (hard)
-    hidden: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # the device model's last hidden state
-    logits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # its next-token logits
-
-
-class DecisionEngine(Protocol):
-    """Decides the tier of each position the rule asks about. Called from the per-token loop:
-    keep `decide` cheap (no I/O, no logging above debug, no large allocations)."""
-
-    name: str
-
-    def start_answer(self) -> None:
-        """A new answer begins (reset per-answer state such as a budget)."""
-        ...
-
-    def decide(self, position: Position) -> int:
-        """The tier that writes this position: DEVICE (0), CLOUD (1), or a tier above it (2, ...)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSetup:
-    """What an engine's factory is given."""
-
-    policy: RoutingPolicy  # the built-in policy for these options: wrap it (keeps the calibration) or ignore it
-    options: dict[str, str]  # the `name:key=value,...` options of --decision-engine
-    edge_model: str = ""
-    cloud_model: str = ""
-    tiers: int = 2  # the pool's tiers, the device included: 0 .. tiers - 1
 
 
 class PolicyEngine:
@@ -137,10 +107,6 @@ def _escalate(setup: EngineSetup) -> DecisionEngine:
     return EscalateEngine(setup.policy, values["above"], setup.tiers - 1, values["top_share"])
 
 
-class DecisionEngineError(ValueError):
-    """An engine that cannot be found, built or trusted; the message says what to do."""
-
-
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """`name` or `name:key=value,key=value` -> (name, options)."""
     name, _, rest = spec.partition(":")
@@ -170,7 +136,11 @@ def _builtin(setup: EngineSetup) -> DecisionEngine:
     return PolicyEngine(setup.policy)
 
 
-_BUILTINS: dict[str, Callable[[EngineSetup], DecisionEngine]] = {BUILTIN_ENGINE: _builtin, "escalate": _escalate}
+_BUILTINS: dict[str, Callable[[EngineSetup], DecisionEngine]] = {
+    BUILTIN_ENGINE: _builtin,
+    "escalate": _escalate,
+    "cost": make_cost_engine,
+}
 
 
 def _lazy(ep) -> Callable[[EngineSetup], DecisionEngine]:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 # the logit features live beside the heuristics; re-exported here for the training code
-from shared.router import LOGIT_FEATURES, N_LOGIT_FEATURES, HeuristicRouter, LogitFeaturizer  # noqa: F401
+from shared.router import LOGIT_FEATURES, N_LOGIT_FEATURES, HeuristicRouter, LogitFeaturizer, Router  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,11 @@ class LearnedRouter:
         self.drift.observe(s)
         return s
 
+    @property
+    def features(self) -> np.ndarray:
+        """The logit features of the last `score` call (a reused buffer: read it before the next call)."""
+        return self._featurize.out
+
     def score_features(self, hidden: np.ndarray, feats: np.ndarray, proposed: int) -> float:
         """The score from precomputed logit features (training checks and benchmarks use it)."""
         h = self._h
@@ -268,3 +273,14 @@ def load_router(
         log.warning("%s; falling back to the entropy heuristic", msg)
         return HeuristicRouter("entropy", n_vocab or int(rf.meta.get("n_vocab", 1)))
     return router
+
+
+def score_after(router: Router, first: Router, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> float:
+    """`router`'s score at the position `first` has just scored (a pool's tier routers after the pair's):
+    where both are learned routers of one device model, `first`'s logit features are reused, so the
+    position costs one pass over the logits, not one per router."""
+    if isinstance(router, LearnedRouter) and isinstance(first, LearnedRouter):
+        score = router.score_features(hidden, first.features, proposed)
+        router.drift.observe(score)
+        return score
+    return router.score(hidden, logits, proposed)

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from shared.gguf import GGUFHeader, model_fingerprint, read_header, tokenizer_fingerprint
 
+BASE_MODEL_NOTE = "it continues text and was not tuned to answer, so what it writes may not read as an answer"
+ALLOW_BASE_MODEL_HINT = "pass --allow-base-model (GeneratorOptions.allow_base_model) to let it write answers anyway"
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:

@@ -122,7 +122,8 @@ def make_generator(
 ) -> RoutedGenerator:
     """A generator against `server` (None: device only) with a fixed-threshold policy, greedy,
     and neither lookahead nor the check unless `options` (GeneratorOptions fields) ask for them; `tiers`:
-    servers of the tiers above `server` (a pool)."""
+    servers of the tiers above `server` (a pool). A base model (the Gemma stand-in) may write: the
+    refusal without `allow_base_model` is tested in test_base_models.py."""
     connect = None
     if server is not None:
         target = url or server.url
@@ -137,6 +138,8 @@ def make_generator(
         lookahead=False,
         check="off",
         cloud_timeout_s=timeout_s,
+        allow_base_model=True,
+        tiers=tuple(f"local:{t.model}" for t in tiers),  # as the CLI names them (each tier's shipped router)
     )
     opts = replace(opts, **options)  # type: ignore[arg-type]
     policy = policy or RoutingPolicy(opts.policy_config())

@@ -150,3 +150,28 @@ def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info,
         )
         assert load_router(tmp_path / "live.npz", edge_info).meta["edge_fingerprint"] == edge_info.fingerprint
         assert report["data"]["sources"] == ["flywheel"]
+
+
+def test_a_tier_router_reuses_the_pair_routers_logit_features(edge_info):
+    """A pool's tier router scores after the pair's (Turn.flag): `score_after` reuses the features the
+    first computed, and gives the score the tier router computes on its own; a heuristic first router
+    has no features to share, so the tier router computes its own."""
+    from edge_client.generator import shipped_router
+    from shared.learned_router import score_after
+
+    pair = load_router(str(shipped_router(edge_info.name, DEFAULT_CLOUD_MODEL)), edge_info)
+    top = load_router(str(shipped_router(edge_info.name, "gemma3-270m")), edge_info)
+    alone = load_router(str(shipped_router(edge_info.name, "gemma3-270m")), edge_info)
+    assert isinstance(pair, LearnedRouter) and isinstance(top, LearnedRouter)
+    rng = np.random.default_rng(0)
+    entropy = HeuristicRouter("entropy", 49152)
+    for _ in range(5):
+        hidden = rng.normal(size=pair.n_embd).astype(np.float32)
+        logits = (rng.normal(size=49152) * 3).astype(np.float32)
+        proposed = int(logits.argmax())
+        pair.score(hidden, logits, proposed)
+        want = alone.score(hidden, logits, proposed)
+        assert score_after(top, pair, hidden, logits, proposed) == pytest.approx(want, abs=1e-6)
+        entropy.score(hidden, logits, proposed)
+        assert score_after(top, entropy, hidden, logits, proposed) == pytest.approx(want, abs=1e-6)
+    assert sum(top.drift.counts) == 2 * sum(alone.drift.counts) == 10  # every score reaches its drift monitor

@@ -599,3 +599,42 @@ def test_the_listen_header_says_whether_the_cloud_is_off_connected_or_lost(edge_
             assert line.endswith("last answer degraded (edge finished alone)")
         finally:
             gen.close()
+
+
+SHORT_QUESTIONS = [  # CLINC150-style voice questions whose answers are a sentence or two
+    "what is the capital of australia",
+    "how do i reset my wifi router",
+    "tell me a fun fact about octopuses",
+    "what time is it in tokyo",
+    "how many ounces are in a cup",
+    "who wrote romeo and juliet",
+]
+
+
+def test_short_voice_answers_get_cloud_help_at_the_asked_share_from_the_first(edge_model, cloud_server):
+    """Issue 33: "what is the capital of australia" got 0 of its 11 tokens from the cloud. With the
+    defaults (the shipped learned router, a 30 % share calibrated from the router's prior, the voice
+    dialogue's prompt, no lookahead or check so the router alone decides), a fresh generator's first
+    six short answers already get cloud help, and most answers get some. (On the 2-core VM, 2026-12-06: 26
+    of 132 tokens, 20 %, every answer at least one: the prior calibrates on the cloud's path, so the
+    device's first answers run a little under the share; hence the bound of 10 %.)"""
+    from edge_client.generator import build_router
+    from edge_client.voice.dialogue import DEFAULT_SYSTEM_PROMPT as VOICE_PROMPT
+    from models.registry import DEFAULT_CLOUD_MODEL
+    from shared.policy import PolicyConfig, RoutingPolicy
+
+    router = build_router("auto", edge_model.n_vocab, edge_model.info, "error", DEFAULT_CLOUD_MODEL)
+    policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=router.threshold_for)
+    gen = make_generator(edge_model, cloud_server, router=router, policy=policy, cloud_fraction=0.3, threshold=None)
+    try:
+        answers = [
+            gen.generate([{"role": "system", "content": VOICE_PROMPT}, {"role": "user", "content": q}], max_tokens=32)
+            for q in SHORT_QUESTIONS
+        ]
+    finally:
+        gen.close()
+    assert router.name.startswith("learned") and not any(a.degraded for a in answers)
+    routed = sum(a.routes.count("cloud") for a in answers)
+    total = sum(a.n_tokens for a in answers)
+    assert 0.1 <= routed / total <= 0.5, (routed, total)
+    assert sum(1 for a in answers if "cloud" in a.routes) >= len(answers) - 1, [a.routes for a in answers]

@@ -566,13 +566,15 @@ def test_mixed_pair_falls_back_to_the_device_when_the_cloud_is_lost(edge_model, 
 
 
 def test_cli_ask_with_the_mixed_pair():
-    """The command of issue 19: routes with cloud text present, no refusal, the mode in the JSON."""
+    """The command of issue 19: routes with cloud text present, no refusal, the mode in the JSON (the
+    Gemma stand-in is a base model: allowed by its flag, test_base_models.py tests the refusal)."""
     a = ask_json(
         "explain how vaccines work",
         "--edge-model",
         "smollm2-135m-q3_k_s",
         "--cloud-model",
         GEMMA,
+        "--allow-base-model",
         "--cloud",
         "local",
         "--max-tokens",

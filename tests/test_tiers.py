@@ -13,7 +13,9 @@ import pytest
 
 from edge_client.cloud_link import CloudText
 from edge_client.shared_history import TEXT
+from shared.cost_engine import CostEngine
 from shared.decision_engine import DecisionEngineError, EngineSetup, Position, build_engine
+from shared.learned_router import LearnedRouter
 from shared.policy import PolicyConfig, RoutingPolicy
 from tests.conftest import GEMMA, LONG_QUESTIONS, chat
 from tests.helpers import ask_cli, make_generator, make_turn, metric
@@ -75,6 +77,46 @@ def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
     assert metric(gemma_server, "tokenrouter_hard_tokens_total") > hard2
 
 
+def test_the_cost_engine_keeps_each_answer_within_its_gpu_budget(edge_model, cloud_server, gemma_server):
+    """`cost:gpu_ms=150`: the positions asked of each tier (the cloud's server counts its own), priced by
+    the cost model (an 8B for the cloud, a 70B for Gemma's tier), stay within 150 GPU-ms in each answer; the engine reads Gemma's
+    own router (shipped for the device and Gemma) for tier 2, the pair's score for tier 1."""
+    gen = make_generator(
+        edge_model,
+        cloud_server,
+        threshold=0.0,
+        tiers=[gemma_server],
+        decision_engine="cost:gpu_ms=150,gpu_ms_per_token=20",
+    )
+    assert isinstance(gen.tier_routers[2], LearnedRouter) and gen.tier_routers[1] is None
+    engine = gen.engine
+    assert isinstance(engine, CostEngine)
+    seen: list[tuple[float, float, float]] = []
+    decide = engine.decide
+
+    def recording(position: Position) -> int:
+        seen.append((position.score, position.score_for(1), position.score_for(2)))
+        return decide(position)
+
+    engine.decide = recording  # type: ignore[method-assign]
+    try:
+        written = []
+        for q in LONG_QUESTIONS[:3]:
+            before = metric(cloud_server, "tokenrouter_hard_tokens_total")
+            a = gen.generate(chat(q), max_tokens=24)
+            # an ask is a position the engine decided (a text tier's span writes more after it)
+            asks = [sum(1 for t, sc in zip(a.tiers, a.scores) if sc is not None and t == tier) for tier in (1, 2)]
+            assert metric(cloud_server, "tokenrouter_hard_tokens_total") - before == asks[0]  # one token an ask
+            assert asks[0] * engine.costs[1] + asks[1] * engine.costs[2] <= 150 + 1e-6, asks
+            assert not a.degraded
+            written += a.tiers
+    finally:
+        gen.close()
+    assert any(t > 0 for t in written)  # the cloud tiers wrote within the budget
+    assert all(abs(s - s1) < 1e-6 for s, s1, _ in seen)  # tier 1: the pair's score
+    assert any(abs(s2 - s) > 0.01 for s, _, s2 in seen)  # tier 2: its own router
+
+
 def test_an_engine_asking_for_a_tier_the_pool_lacks_is_told_to_add_it(edge_model, cloud_server):
     gen = make_generator(edge_model, cloud_server, threshold=0.0)
     try:
@@ -96,6 +138,10 @@ def test_the_command_line_runs_a_pool():
         return ask_cli("explain how vaccines work", *flags)
 
     flags = ["--tier", f"local:{GEMMA}", "--decision-engine", "escalate:above=0.15", "--router", "entropy"]
+    p = ask(*flags, "--threshold", "0", "--max-tokens", "24")
+    assert p.returncode != 0 and f"a tier (--tier) {GEMMA!r} is a base model" in p.stderr
+    assert "--allow-base-model" in p.stderr
+    flags.append("--allow-base-model")
     p = ask(*flags, "--threshold", "0", "--max-tokens", "24")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)

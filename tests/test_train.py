@@ -479,6 +479,7 @@ def test_the_eval_decides_as_the_device_does(edge_model, cloud_server):
     model's one-token decode and the eval's batched one: another proposed token) or a score within
     kernel noise (SCORE_TOLERANCE) of the threshold."""
     from models.train.evaluate import EvalOptions, evaluate
+    from models.train.person_check import speaks_as_user
     from shared.prompting import DEFAULT_SYSTEM_PROMPT
     from tests.helpers import make_generator
 
@@ -493,6 +494,14 @@ def test_the_eval_decides_as_the_device_does(edge_model, cloud_server):
         keep_answers=True,
     )
     result = evaluate(prompts, opts)
+    for point in result["methods"]["learned"]:  # the person check counts the answers the eval lists
+        f = point["target_fraction"]
+        method = {0.0: "edge-only", 1.0: "cloud-only"}.get(f, "learned")
+        listed = [
+            (a["prompt"], a["text"]) for a in result["answers"] if a["method"] == method and a["target_fraction"] == f
+        ]
+        assert point["answers_read"] == len(listed) == len(prompts)
+        assert point["speaks_as_user"] == sum(speaks_as_user(t) for _, t in listed)
     router = LearnedRouter(RouterFile.load(DEFAULT_ROUTER))
     threshold = min(max(router.threshold_for_fraction(0.3), 0.0), 1.0)
     evals = {a["prompt"]: a for a in result["answers"] if a["method"] == "learned" and a["target_fraction"] == 0.3}

@@ -17,8 +17,9 @@ from models.registry import DEFAULT_CLOUD_MODEL, model_info
 from models.train.cli import DEFAULT_ROUTER, pair_router
 from models.train.fit import FitOptions, fit
 from models.train.label import LabelOptions, label
+from models.train.person_check import person_counts
 from models.train.shards import load_records
-from models.train.text_eval import TextEvalOptions, _Side, evaluate_text
+from models.train.text_eval import TextEvalOptions, TextSide, evaluate_text
 from models.train.text_label import text_regret
 from shared.learned_router import N_LOGIT_FEATURES, LearnedRouter, RouterMismatchError, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
@@ -66,7 +67,7 @@ def test_text_labels_have_the_same_shape_and_the_rule_holds(mixed_labels):
     assert 0 < rec["mismatch"].mean() < 1
 
     # one position by hand: the cloud's summed NLL of whole texts, each teacher-forced on its own
-    # canonical tokens in a fresh pass (text_eval's _Side.nll, no shared reference, no branches)
+    # canonical tokens in a fresh pass (text_eval's TextSide.nll, no shared reference, no branches)
     pid = rec["prompt_id"]
     first = np.flatnonzero(pid == pid[0])
     dev_ref = [int(t) for t in rec["cloud_token"][first]]  # the device's tokens of the cloud's text
@@ -81,7 +82,7 @@ def test_text_labels_have_the_same_shape_and_the_rule_holds(mixed_labels):
     e, c = int(rec["proposed"][row]), int(rec["cloud_token"][row])
     prefix = b"".join(edge.token_bytes(t) for t in dev_ref[:j])
     b_e, b_c = edge.token_bytes(e), edge.token_bytes(c)
-    side = _Side(cloud, 1024, 1, embeddings=False)
+    side = TextSide(cloud, 1024, 1, embeddings=False)
     try:
         side.start(_chat(cloud, rec.meta["prompts"][0]))
         s_t, s_e, s_c = side.nll(prefix), side.nll(prefix + b_e), side.nll(prefix + b_c)
@@ -138,8 +139,17 @@ def test_shipped_mixed_router_is_the_pairs_default():
 
 
 def test_mixed_eval_runs_the_learned_router(mixed_router):
-    r = evaluate_text(PROMPTS[:2], TextEvalOptions(EDGE, GEMMA, fractions=(0.3,), max_tokens=12, router=mixed_router))
+    r = evaluate_text(
+        PROMPTS[:2],
+        TextEvalOptions(EDGE, GEMMA, fractions=(0.3,), max_tokens=12, router=mixed_router, keep_answers=True),
+    )
     assert set(r["points"]) == {"edge-only", "cloud-only", "learned", "entropy", "random"}
+    for method, points in r["points"].items():  # the person check counts the answers it lists
+        (point,) = points
+        listed = [(a["prompt"], a["text"]) for a in r["answers"] if a["method"] == method]
+        assert len(listed) == 2 and all(text for _, text in listed)
+        counts = person_counts(listed)
+        assert {k: point[k] for k in counts} == counts
     assert (
         set(r["gap_recovered_at_30_bytes"])
         == set(r["gap_recovered_at_30_bytes_ci95"])

@@ -817,7 +817,8 @@ def test_honest_labels_a_cut_answer_and_the_cloud_share(app, tmp_path):
 
 
 def test_an_answer_a_base_model_helped_write_says_so(app, gemma_server, tmp_path):
-    """With the Gemma base model as the cloud (text mode), the answer on the page carries the warning
+    """With the Gemma base model as the cloud (text mode): refused as an answer writer, the device answers
+    and says why; allowed (as `--allow-base-model` does), the answer on the page carries the warning
     the generator gives (a base model continues text); back on the chat cloud, the next one does not."""
     core, srv = app
     q = spoken_wav(core.engines.synth, "What is the capital of France?", tmp_path / "q.wav")
@@ -825,8 +826,19 @@ def test_an_answer_a_base_model_helped_write_says_so(app, gemma_server, tmp_path
         s = ready(d, core)
         core.apply({"cloud": gemma_server.url, "api_key": gemma_server.api_key})
         ask_file(d, q)
-        wait_for(turns_done(core, 1), 60, "the turn", d)
-        a = s.turns[0].answer
+        wait_for(turns_done(core, 1), 60, "the refused turn", d)
+        refused = s.turns[0].answer
+        assert refused is not None and refused.degraded and refused.n_cloud_tokens == 0
+        assert "base model" in refused.degraded_reason and "--allow-base-model" in refused.degraded_reason
+        assert core.gen is not None
+        core.gen.reconfigure(allow_base_model=True)  # what --allow-base-model sets
+        wait_for(lambda: status_text(d) == "listening", 30, "listening", d)
+        try:
+            ask_file(d, q)
+            wait_for(turns_done(core, 2), 60, "the turn", d)
+        finally:
+            core.gen.reconfigure(allow_base_model=False)  # the app fixture is shared by the module's tests
+        a = s.turns[1].answer
         assert a is not None and a.shared_history == "text" and a.warnings
         wait_for(lambda: texts(d, ".turn .warning"), 10, "the warning under the answer", d)
         assert texts(d, ".turn .warning") == [f"Warning: {a.warnings[0]}."]
@@ -834,8 +846,8 @@ def test_an_answer_a_base_model_helped_write_says_so(app, gemma_server, tmp_path
         core.apply({"cloud": "local", "api_key": ""})
         wait_for(lambda: status_text(d) == "listening", 30, "listening", d)
         ask_file(d, q)
-        wait_for(turns_done(core, 2), 60, "the second turn", d)
-        b = s.turns[1].answer
+        wait_for(turns_done(core, 3), 60, "the third turn", d)
+        b = s.turns[2].answer
         assert b is not None and b.shared_history == "tokens" and not b.warnings
         turns = d.find_elements("css selector", ".turn")
         assert len(turns[-1].find_elements("css selector", ".warning")) == 0

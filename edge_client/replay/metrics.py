@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from shared.gpu_cost import PRODUCTION_CLOUD
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.textmetrics import rouge_l_f1 as rouge_l  # noqa: F401  (re-exported for the report)
 
@@ -22,17 +23,14 @@ CLAUSE_RE = re.compile(r"[.,;:!?\n]")
 ANSWERED_WITHIN_MS = 150.0
 
 # The cloud's work in units that carry over to a GPU (shared/protocol.py `Work`), and the cost model
-# docs/server.md ("What it costs on a GPU") turns them into GPU-seconds with: a model, not a measurement.
+# docs/server.md ("What it costs on a GPU") turns them into GPU-seconds with (shared/gpu_cost.py):
+# a model, not a measurement.
 WORK_KINDS = ("prefill_tokens", "generate_tokens", "verify_tokens", "guess_tokens")
-GPUS = 4  # Llama-3.1-70B in bf16 on 4 x H100 SXM (tensor parallel)
-PASS_S = 0.015  # one memory-bound pass: 141 GB of weights / (4 x 3.35 TB/s) at ~70% of peak bandwidth
-TOKEN_S = 2 * 70.6e9 / (GPUS * 989e12 * 0.5)  # compute per token: 2 FLOP per weight, 50% of bf16 dense peak
 
 
 def gpu_seconds(passes: float, tokens: float) -> float:
-    """GPU-seconds of the cost model (docs/server.md): every pass reads the weights once (memory-bound),
-    every token adds its compute; a pass of k <= ~32 tokens costs about one decode step."""
-    return GPUS * (passes * PASS_S + tokens * TOKEN_S)
+    """GPU-seconds of the production cloud's cost model (a 70B on 4 x H100, shared/gpu_cost.py)."""
+    return PRODUCTION_CLOUD.gpu_seconds(passes, tokens)
 
 
 # The `--json` summary's keys per policy (the issue's contract).

@@ -100,8 +100,10 @@ def parse_policies(text: str) -> list[PolicySpec]:
 def replay_defaults(**changes: object) -> GeneratorOptions:
     """The generator options the harness starts from: the top1 heuristic at a fixed threshold,
     no lookahead and no check (each policy turns on what it measures), a 5 s cloud timeout
-    (an emulated bad network is slow, not lost)."""
+    (an emulated bad network is slow, not lost), and a base cloud model allowed (the harness measures
+    routing; it writes no answers for a person)."""
     base = GeneratorOptions(
+        allow_base_model=True,
         router="top1",
         threshold=0.83,
         cloud_fraction=None,

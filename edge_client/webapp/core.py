@@ -267,14 +267,22 @@ class AppCore:
         t0 = time.perf_counter()
         try:
             opts = self.gen.opts  # asked as an answer asks: a cloud whose model tokenizes differently shares text
-            accept = link.open(edge.info, messages, edge.chat_tokens(messages), opts.sampling(), opts.text_mode)
+            accept = link.open(
+                edge.info,
+                messages,
+                edge.chat_tokens(messages),
+                opts.sampling(),
+                opts.text_mode,
+                refuse_base_model=not opts.allow_base_model,
+            )
             ms = (time.perf_counter() - t0) * 1000
             return {
                 "ok": True,
                 "message": f"connected to {cloud_label(cloud)} in {ms:.0f} ms; cloud model {accept.cloud_model[:16]}",
             }
         except CloudRejected as e:
-            return {"ok": False, "message": f"the cloud refused the session: {e} (check the API key)"}
+            hint = "" if e.code == "base_model" else " (check the API key)"
+            return {"ok": False, "message": f"the cloud refused the session: {e}{hint}"}
         except CloudBusy as e:  # reachable, the key works, no room now: answers come from the device meanwhile
             return {"ok": False, "message": f"{cloud_label(cloud)} is full right now: {e}"}
         except (CloudUnavailable, OSError) as e:

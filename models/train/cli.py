@@ -380,6 +380,7 @@ def cmd_eval_text(args: argparse.Namespace, prompts: list[str], source: str) -> 
         lookahead=tuple(args.lookahead),
         lookahead_nats=(args.lookahead_nats or [1.0])[0],
         decision_engine=args.decision_engine,
+        keep_answers=args.answers,
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     result = evaluate_text(prompts, opts)

@@ -62,6 +62,7 @@ from models.registry import model_info
 from models.train.gap import gap_interval as bootstrap_gap
 from models.train.label import chat
 from models.train.pair import PairStepper, log_softmax_row
+from models.train.person_check import person_counts
 from shared.completions import CompletionsClient, Position, VocabModel
 from shared.decision import (
     CHECK_MAX_DRAFT,
@@ -276,7 +277,7 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
         if remote is not None:
             remote.close()
             remote.model.close()
-    result = summarise(runs, texts, opts)
+    result = summarise(runs, texts, prompts, opts)
     result["n_prompts"] = len(prompts)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["router"] = str(opts.router_path)
@@ -522,7 +523,7 @@ class CloudWork:
 _GREEDY = Sampler(SamplingParams())
 
 
-def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str, Any]:
+def summarise(runs: list[_Run], texts: list[str], prompts: list[str], opts: EvalOptions) -> dict[str, Any]:
     by_prompt_cloud = {r.prompt: (r, t) for r, t in zip(runs, texts) if r.method == "cloud-only"}
     groups: dict[tuple[str, float], list[tuple[_Run, str]]] = {}
     for r, t in zip(runs, texts):
@@ -546,6 +547,7 @@ def summarise(runs: list[_Run], texts: list[str], opts: EvalOptions) -> dict[str
             ),
             "n_tokens": n,
             **_work_point(items, n),
+            **person_counts((prompts[r.prompt], t) for r, t in items),  # what a reader sees (person_check.py)
         }
 
     edge_pt, cloud_pt = point(groups[("edge-only", 0.0)], 0.0), point(groups[("cloud-only", 1.0)], 1.0)

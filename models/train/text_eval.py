@@ -39,6 +39,7 @@ import numpy as np
 
 from models.registry import model_info
 from models.train.gap import gap_interval
+from models.train.person_check import person_counts
 from shared.decision import AnswerRule, RuleOptions, Step, cloud_choice
 from shared.decision_engine import BUILTIN_ENGINE, DEVICE, DecisionEngine, EngineSetup, build_engine, engine_tier
 from shared.decision_engine import Position as EnginePosition
@@ -69,9 +70,10 @@ class TextEvalOptions:
     lookahead: tuple[str, ...] = ()  # methods also run with the cloud's text guess, as "<method>+lookahead@<nats>"
     lookahead_nats: float = 1.0
     decision_engine: str = BUILTIN_ENGINE  # who decides the router's positions (shared/decision_engine.py)
+    keep_answers: bool = False  # the result also lists every answer's text (for reading side by side)
 
 
-class _Side:
+class TextSide:
     """One model's history over the shared text: its prompt, then its tokens of the answer."""
 
     def __init__(self, model: LlamaModel, n_ctx: int, threads: int | None, embeddings: bool) -> None:
@@ -145,7 +147,7 @@ class _Answer:
     also: list[float] = field(default_factory=list)  # a second router's scores (calibration)
 
 
-def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
+def _cloud_span(cloud: TextSide, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
     """The cloud's span after `text` by the server's rule (`SpanWriter`): (its text, answer ended)."""
     cloud.follow(text)
     logits, _ = cloud.next()
@@ -168,7 +170,7 @@ def _cloud_span(cloud: _Side, text: bytes, proposed: bytes, sampler: Sampler) ->
     return w.whole(), w.eog
 
 
-def _take_cloud_text(a: _Answer, edge: _Side, added: bytes, room: int) -> int:
+def _take_cloud_text(a: _Answer, edge: TextSide, added: bytes, room: int) -> int:
     """The cloud's text joins the answer, as `TextHistory.take_text` does on the device: cut to the
     answer's room in device tokens (whole characters: `device_pieces`), counted as cloud bytes, the
     device's history re-tokenized. Returns the device positions it took (at least one)."""
@@ -179,7 +181,7 @@ def _take_cloud_text(a: _Answer, edge: _Side, added: bytes, room: int) -> int:
     return max(len(pieces), 1)
 
 
-def _cloud_guess(cloud: _Side, text: bytes) -> TextGuess:
+def _cloud_guess(cloud: TextSide, text: bytes) -> TextGuess:
     """The cloud's guess for the position after answer `text` (its lookahead, as the server's
     span sends it: shared/text_history.py `TextGuess`)."""
     cloud.follow(text)
@@ -188,8 +190,8 @@ def _cloud_guess(cloud: _Side, text: bytes) -> TextGuess:
 
 
 def _routed(
-    edge: _Side,
-    cloud: _Side,
+    edge: TextSide,
+    cloud: TextSide,
     eprompt: list[int],
     cprompt: list[int],
     router: Router | None,
@@ -272,8 +274,8 @@ def evaluate_text(
         (f"{m}+lookahead@{opts.lookahead_nats:g}", m, opts.lookahead_nats) for m in opts.lookahead
     ]
     em, cm = LlamaModel(edge_info), LlamaModel(cloud_info)
-    edge = _Side(em, 2048, opts.threads, embeddings=True)
-    cloud = _Side(cm, 2048, opts.threads, embeddings=False)
+    edge = TextSide(em, 2048, opts.threads, embeddings=True)
+    cloud = TextSide(cm, 2048, opts.threads, embeddings=False)
     try:
         messages = [
             [{"role": "system", "content": opts.system_prompt}, {"role": "user", "content": p}] for p in prompts
@@ -326,6 +328,7 @@ def evaluate_text(
                     "nll_per_byte": round(nll / max(total, 1), 5),
                     "bytes": int(total),
                     "guesses_taken": int(sum(a.guessed for a in got)),
+                    **person_counts((p, a.text.decode("utf-8", "replace")) for p, a in zip(prompts, got)),
                 }
             )
     finally:
@@ -340,7 +343,7 @@ def evaluate_text(
         curve = sorted([(0.0, e0)] + [(p["cloud_bytes"], p["nll_per_byte"]) for p in points[method]] + [(1.0, c1)])
         at30 = float(np.interp(0.3, [x for x, _ in curve], [y for _, y in curve]))
         gap[method] = round((e0 - at30) / (e0 - c1), 4) if e0 != c1 else float("nan")
-    return {
+    result = {
         "mode": "text",
         "measure": "cloud model NLL per byte of the answer text (lower is better)",
         "edge_model": edge_info.name,
@@ -354,3 +357,10 @@ def evaluate_text(
         "router": str(opts.router) if learned is not None else None,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    if opts.keep_answers:
+        result["answers"] = [
+            {"method": method, "target_fraction": f, "prompt": p, "text": a.text.decode("utf-8", "replace")}
+            for (method, f), got in answers.items()
+            for p, a in zip(prompts, got)
+        ]
+    return result

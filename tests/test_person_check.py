@@ -1,0 +1,65 @@
+"""The evals' person check (models/train/person_check.py): the rules on answers a reader would
+flag or not (the flagged ones are the issue's own Gemma answers), and both evals count them per
+point, from the answers they list."""
+
+from __future__ import annotations
+
+from models.train.person_check import (
+    continues_transcript,
+    first_sentence,
+    person_counts,
+    says_question_back,
+    speaks_as_user,
+)
+
+AS_USER = [
+    "I have a question about my router.",  # "how do i reset my wifi router", the base cloud writing
+    "Hello, how are you?",  # "tell me a fun fact about octopuses"
+    "User: what is the capital of australia",
+    "Can you tell me how to reset it? Thanks.",
+    "How do I change my PIN? I forgot it.",
+    "I would like to book a table for two.",
+    "I am a customer of sushi king in virginia beach. I would like a table.",  # read in the val answers
+    "I live in the city.",
+]
+AS_ASSISTANT = [
+    "the capital of australia is buffetalika",  # wrong, but an answer's voice
+    "The capital of France is Paris.",
+    "Which router do you have? The steps differ by model.",  # a clarifying question, not the user's line
+    "Hello! The capital of France is Paris.",
+    "I can help with that. First, unplug the router.",
+    "Did you know octopuses have three hearts?",
+    "I am a voice assistant designed to help you.",
+    "I work for you",
+    "",
+]
+
+
+def test_answers_in_the_users_voice_are_flagged_and_answers_are_not():
+    assert [a for a in AS_USER if not speaks_as_user(a)] == []
+    assert [a for a in AS_ASSISTANT if speaks_as_user(a)] == []
+
+
+def test_an_answer_that_says_the_question_back_is_flagged():
+    q = "what is the capital of france"
+    assert says_question_back(q, "What is the capital of France? It is Paris.")
+    assert not says_question_back(q, "The capital of France is Paris.")
+    assert not says_question_back(q, "")
+    assert first_sentence("Paris is the capital.  It is large.") == "Paris is the capital."
+    assert first_sentence("one line\nsecond line") == "one line"
+
+
+def test_an_answer_that_writes_the_chats_next_turns_is_flagged():
+    assert continues_transcript("where is the nearest walmart\nSystem: You are a helpful voice assistant.")
+    assert continues_transcript("command cancel\nVoice assistant: command cancel")
+    assert not continues_transcript("Paris.\nIt is the capital: a large city.")
+
+
+def test_counts_over_pairs():
+    pairs = [
+        ("how do i reset my wifi router", AS_USER[0]),
+        ("q", "The capital of France is Paris."),
+        ("what time is it", "What time is it?"),
+    ]
+    want = {"speaks_as_user": 1, "says_question_back": 1, "continues_transcript": 0, "answers_read": 3}
+    assert person_counts(pairs) == want
