@@ -103,6 +103,9 @@ class Answer:
     decision: str = ""  # a per-answer choice of model (replay's query/session policies): "edge" or "cloud"
     latency: Latency = field(default_factory=Latency)
     traffic: Traffic = field(default_factory=Traffic)
+    # The cloud work of each tier of a pool (index = tier: [0] the device's, empty), to price each at its own
+    # size (shared/gpu_cost.py); `traffic.work` is their sum
+    tier_work: list[Work] = field(default_factory=list)
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
     explored_positions: list[int] = field(default_factory=list)  # answer indices asked by exploration (--explore)
@@ -171,6 +174,7 @@ class Answer:
             "latency_ms": self.latency.to_json(),
             "total_ms": round(self.latency.total, 3),
             "traffic": self.traffic.to_json(),
+            "tier_work": [{f: getattr(w, f) for f in WORK_FIELDS} for w in self.tier_work],
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "round_trips": self.round_trips,

@@ -50,7 +50,7 @@ from shared.learned_router import load_router
 from shared.llama_backend import LlamaModel
 from shared.model_info import ALLOW_BASE_MODEL_HINT, BASE_MODEL_NOTE, ModelInfo
 from shared.policy import RoutingPolicy
-from shared.protocol import CAP_GUESS, CAP_VERIFY
+from shared.protocol import CAP_GUESS, CAP_VERIFY, Work
 from shared.router import HeuristicRouter, Router
 from shared.sampling import Sampler
 from shared.text_history import AnswerText
@@ -345,7 +345,9 @@ class RoutedGenerator:
         answer.explore_declined = cloud.explore_declined - declined0
         answer.degraded = answer.degraded or (use_cloud and not cloud.up)
         answer.degraded_reason = (cloud.last_error or "the cloud was lost") if answer.degraded else ""
-        answer.traffic = sum((s.traffic() - t0 for s, t0 in zip(sessions, traffic0)), Traffic())
+        spent = [s.traffic() - t0 for s, t0 in zip(sessions, traffic0)]
+        answer.traffic = sum(spent, Traffic())
+        answer.tier_work = [Work(), *(t.work for t in spent)] if use_cloud else []
         answer.tiers = [0 if r == "edge" else 1 for r in answer.routes]
         for start, end, tier in turn.tier_writes:
             answer.tiers[start:end] = [tier] * (end - start)

@@ -25,10 +25,8 @@ from __future__ import annotations
 import math
 
 from shared.decision_engine_api import DEVICE, DecisionEngineError, EngineSetup, Position
-from shared.gpu_cost import PRODUCTION_CLOUD, GpuCostModel
+from shared.gpu_cost import GpuCostModel, default_tier_sizes, parse_tier_sizes
 
-DEFAULT_TOP_B = PRODUCTION_CLOUD.params_b  # the seed's pool: the production 70B on top ...
-DEFAULT_MIDDLE_B = 8.0  # ... and an 8B between it and the device
 DEFAULT_RTT_MS = 40.0  # a WAN round trip to the cloud
 DEFAULT_SHARE = 0.3  # the spend of this cloud share at tier 1, where the policy names none
 STEP = 0.05  # lambda's step, in units of the score threshold it sets at tier 1
@@ -89,15 +87,10 @@ def make_cost_engine(setup: EngineSetup) -> CostEngine:
     if n_cloud < 1:
         raise DecisionEngineError("cost needs at least one cloud tier")
     sizes_text = setup.options.get("sizes")
-    if sizes_text is None:
-        sizes = [DEFAULT_MIDDLE_B] * (n_cloud - 1) + [DEFAULT_TOP_B]
-    else:
-        sizes = [_number("sizes", s) for s in sizes_text.split("/")]
-        if len(sizes) != n_cloud:
-            raise DecisionEngineError(
-                f"cost: sizes names {len(sizes)} model sizes for a pool of {n_cloud} cloud tiers "
-                "(billions of parameters, one per tier, lowest first: sizes=8/70)"
-            )
+    try:
+        sizes = default_tier_sizes(n_cloud) if sizes_text is None else parse_tier_sizes(sizes_text, n_cloud)
+    except ValueError as exc:
+        raise DecisionEngineError(f"cost: sizes: {exc}") from None
     models = [GpuCostModel.for_size(b) for b in sizes]
     costs = [m.gpu_ms_per_ask() for m in models]
     rtt = _number("rtt_ms", setup.options.get("rtt_ms", str(DEFAULT_RTT_MS)))

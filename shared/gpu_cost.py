@@ -58,3 +58,26 @@ class GpuCostModel:
 
 
 PRODUCTION_CLOUD = GpuCostModel()  # the 70B on 4 x H100 that docs/server.md prices
+MIDDLE_TIER_B = 8.0  # a pool's tiers between the device and the production model: 8B models
+
+
+def default_tier_sizes(n_cloud: int) -> list[float]:
+    """The sizes (billions) of a pool's cloud tiers, lowest first, where none are given: the production
+    70B on top and 8B tiers below it (a pair: the production model alone)."""
+    return [MIDDLE_TIER_B] * (n_cloud - 1) + [PRODUCTION_CLOUD.params_b]
+
+
+def parse_tier_sizes(text: str, n_cloud: int) -> list[float]:
+    """`8/70.6` -> [8.0, 70.6], one size per cloud tier, lowest first (ValueError naming what is wrong)."""
+    try:
+        sizes = [float(x) for x in text.split("/")]
+    except ValueError:
+        raise ValueError(
+            f"model sizes are numbers of billions of parameters, one per tier: 8/70.6, not {text!r}"
+        ) from None
+    if len(sizes) != n_cloud or not all(x > 0 for x in sizes):
+        raise ValueError(
+            f"{text!r} names {len(sizes)} model sizes for a pool of {n_cloud} cloud tiers "
+            "(positive billions of parameters, one per tier, lowest first: 8/70.6)"
+        )
+    return sizes

@@ -258,3 +258,31 @@ def test_router_auto_finds_the_router_shipped_for_the_pair(edge_info):
         for r in runners:
             r.close()
         edge.close()
+
+
+def test_a_pool_replays_with_each_tier_priced_at_its_size(tmp_path):
+    """`--tier gemma3-270m --tier-sizes 8/70.6`: a second server behind its own emulator; the `cost`
+    engine sends positions to both tiers; each row records each tier's work, and the report's GPU-seconds
+    price the cloud's work as an 8B's and Gemma's as a 70B's (recomputed here from the rows)."""
+    from shared.gpu_cost import GpuCostModel
+    from shared.protocol import WORK_FIELDS
+
+    args = ["--profile", "lan", "--policies", "router-sync", "--router", "entropy", "--tier", "gemma3-270m"]
+    args += ["--tier-sizes", "8/70.6", "--decision-engine", "cost:gpu_ms_per_token=30", "--limit", "3"]
+    args += ["--out", str(tmp_path), "--no-progress", "--no-plots", "--max-tokens", "24"]
+    assert main(args) == 0
+    rows = [r for by in _rows(tmp_path).values() for r in by["router-sync"]]
+    assert {t for r in rows for t in r["tiers"]} >= {1, 2}, [r["tiers"] for r in rows]
+    kinds = [k for k in WORK_FIELDS if k.endswith("_tokens")]
+    want = 0.0
+    for r in rows:
+        device, cloud, top = r["tier_work"]
+        assert device["passes"] == 0 and cloud["passes"] > 0 and top["passes"] > 0
+        assert cloud["passes"] + top["passes"] == r["traffic"]["passes"]
+        want += GpuCostModel.for_size(8).gpu_seconds(cloud["passes"], sum(cloud[k] for k in kinds))
+        want += GpuCostModel.for_size(70.6).gpu_seconds(top["passes"], sum(top[k] for k in kinds))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["tier_sizes"] == [8.0, 70.6] and report["config"]["tier"] == ["gemma3-270m"]
+    n_tokens = sum(len(r["tokens"]) for r in rows)
+    got = report["policies"]["router-sync"]["gpu_s_per_1k_model"]
+    assert got == pytest.approx(want / (n_tokens / 1000.0), abs=0.002)

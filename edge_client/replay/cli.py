@@ -37,6 +37,7 @@ from edge_client.replay.sessions import Session, SessionError, load_sessions
 from edge_client.replay.traces import traces_from_rows, write_traces
 from models.registry import model_info
 from shared.cpus import parse_cpus, pin_to_cpus
+from shared.gpu_cost import default_tier_sizes, parse_tier_sizes
 from shared.llama_backend import LlamaModel
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
 
@@ -101,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=D.decision_engine,
         help="who decides the router's positions in the router policies: the built-in 'router', or an installed "
         "engine, NAME[:KEY=VALUE,...] (docs/architecture.md, 'The token hook')",
+    )
+    g.add_argument(
+        "--tier",
+        action="append",
+        default=None,
+        metavar="MODEL",
+        help="a cloud tier above --cloud-model (repeatable): a loopback server of MODEL behind its own network "
+        "emulator; an engine that chooses tiers (e.g. --decision-engine cost) sends positions up",
+    )
+    g.add_argument(
+        "--tier-sizes",
+        default=None,
+        metavar="B/B/...",
+        help="the GPU cost model's size of each cloud tier, the cloud first, in billions (default: 70.6 for the "
+        "cloud alone; with --tier, 8 below a 70.6 top)",
     )
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
     g.add_argument("--span", type=int, default=D.span, help="router-span: tokens per cloud call")
@@ -185,6 +201,12 @@ def _config(args: argparse.Namespace, profile) -> dict:
     cfg.update({k: getattr(args, k) for k in ("device_cpus", "cloud_cpus") if getattr(args, k) is not None})
     if args.decision_engine != D.decision_engine:  # (likewise: the built-in engine leaves the digest as it was)
         cfg["decision_engine"] = args.decision_engine
+    if args.tier or args.tier_sizes:  # a pool, or the cloud priced at another size (likewise)
+        cfg["tier"] = list(args.tier or [])
+        n_cloud = 1 + len(cfg["tier"])
+        cfg["tier_sizes"] = (
+            parse_tier_sizes(args.tier_sizes, n_cloud) if args.tier_sizes else default_tier_sizes(n_cloud)
+        )
     cfg["profile"] = profile.to_json()
     return cfg
 
@@ -354,6 +376,7 @@ def run(args: argparse.Namespace) -> dict:
         threads=args.threads,
         edge_model=args.edge_model,
         cloud_model=args.cloud_model,
+        tiers=tuple(f"local:{m}" for m in args.tier or ()),  # names each tier's shipped router
         max_tokens=args.max_tokens,
     )
     edge_info, cloud_info = model_info(args.edge_model), model_info(args.cloud_model)
@@ -374,10 +397,17 @@ def run(args: argparse.Namespace) -> dict:
     voice = None
     try:
         cloud = emulated_cloud(args.cloud_model, profile, args.seed, args.threads, args.cloud_cpus or "")
-        with cloud as (url, key, proxy):
+        with cloud as (url, key, proxy), contextlib.ExitStack() as stack:
+            tiers = [  # each tier above the cloud: its own server behind its own emulator, on the same profile
+                stack.enter_context(emulated_cloud(m, profile, args.seed + k, args.threads, args.cloud_cpus or ""))
+                for k, m in enumerate(args.tier or (), 1)
+            ]
             for spec in specs:
                 connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
-                runners.append(Runner(spec, edge, connect, opts, query_threshold=args.query_threshold))
+                tier_connects = [lambda u=u, k=k: CloudLink(u, k, timeout_s=opts.cloud_timeout_s) for u, k, _ in tiers]
+                runners.append(
+                    Runner(spec, edge, connect, opts, query_threshold=args.query_threshold, tier_connects=tier_connects)
+                )
             for r in runners:  # open connections and warm caches; not measured
                 r.start_session(False)
                 r.answer(WARMUP_MESSAGES, 2)

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from shared.gpu_cost import PRODUCTION_CLOUD
+from shared.gpu_cost import PRODUCTION_CLOUD, GpuCostModel, default_tier_sizes
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.textmetrics import rouge_l_f1 as rouge_l  # noqa: F401  (re-exported for the report)
 
@@ -31,6 +31,19 @@ WORK_KINDS = ("prefill_tokens", "generate_tokens", "verify_tokens", "guess_token
 def gpu_seconds(passes: float, tokens: float) -> float:
     """GPU-seconds of the production cloud's cost model (a 70B on 4 x H100, shared/gpu_cost.py)."""
     return PRODUCTION_CLOUD.gpu_seconds(passes, tokens)
+
+
+def row_gpu_seconds(row: dict, sizes: list[float]) -> float:
+    """One answer's GPU-seconds: each cloud tier's work (`tier_work`) priced at its size (`sizes`, lowest
+    first); a row recorded before tiers had their own work is priced as the production cloud's."""
+    tiers = row.get("tier_work") or []
+    if len(tiers) < 2:
+        t = row["traffic"]
+        return gpu_seconds(t.get("passes", 0), sum(t.get(k, 0) for k in WORK_KINDS))
+    return sum(
+        GpuCostModel.for_size(size).gpu_seconds(w["passes"], sum(w[k] for k in WORK_KINDS))
+        for w, size in zip(tiers[1:], sizes)
+    )
 
 
 # The `--json` summary's keys per policy (the issue's contract).
@@ -128,8 +141,9 @@ def _mean(xs: Iterable[float | None]) -> float | None:
     return round(float(np.mean(arr)), 4) if arr else None
 
 
-def summarize(rows: list[dict]) -> dict[str, Any]:
-    """All turns of one policy -> its summary (the SUMMARY_KEYS plus supporting figures)."""
+def summarize(rows: list[dict], sizes: list[float] | None = None) -> dict[str, Any]:
+    """All turns of one policy -> its summary (the SUMMARY_KEYS plus supporting figures); `sizes`: the
+    cost model's size of each cloud tier (default: the production cloud alone)."""
     ms = [turn_metrics(r) for r in rows]
     n_tok = sum(m["n_tokens"] for m in ms) or 1
     gaps = [g for m in ms for g in m["gaps_ms"]]
@@ -162,13 +176,14 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "stage_ms_mean": {k: _mean(m[k] for m in ms) for k in ("device_ms", "network_ms", "cloud_ms")},
         "degraded_turns": sum(1 for r in rows if r.get("degraded")),
         "cloud_decisions": sum(1 for r in rows if r.get("decision") == "cloud"),
-        **work_summary(rows, n_tok),
+        **work_summary(rows, n_tok, sizes or default_tier_sizes(1)),
     }
 
 
-def work_summary(rows: list[dict], n_tok: int) -> dict[str, Any]:
+def work_summary(rows: list[dict], n_tok: int, sizes: list[float]) -> dict[str, Any]:
     """The cloud's work per answer token (passes, tokens processed by kind), remote engine requests per
-    answer, and the cost model's GPU-seconds per 1k answer tokens; 0 where a server reports none (v1)."""
+    answer, and the cost model's GPU-seconds per 1k answer tokens (each tier at its size); 0 where a
+    server reports none (v1)."""
     total = {k: sum(r["traffic"].get(k, 0) for r in rows) for k in ("passes", "engine_requests", *WORK_KINDS)}
     tokens = sum(total[k] for k in WORK_KINDS)
     return {
@@ -176,7 +191,7 @@ def work_summary(rows: list[dict], n_tok: int) -> dict[str, Any]:
         "cloud_tokens_per_token": round(tokens / n_tok, 4),
         "cloud_tokens_by_kind_per_token": {k.removesuffix("_tokens"): round(total[k] / n_tok, 4) for k in WORK_KINDS},
         "engine_requests_per_answer": round(total["engine_requests"] / max(len(rows), 1), 3),
-        "gpu_s_per_1k_model": round(gpu_seconds(total["passes"], tokens) / (n_tok / 1000.0), 3),
+        "gpu_s_per_1k_model": round(sum(row_gpu_seconds(r, sizes) for r in rows) / (n_tok / 1000.0), 3),
     }
 
 

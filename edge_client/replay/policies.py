@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from edge_client.answer import Answer, TokenEvent
 from edge_client.cloud_link import CloudLink
@@ -127,12 +127,14 @@ class Runner:
         connect: Callable[[], CloudLink] | None,
         opts: GeneratorOptions,
         query_threshold: float | None = None,
+        tier_connects: Sequence[Callable[[], CloudLink]] = (),
     ) -> None:
+        """`tier_connects`: links to the tiers above the cloud (`--tier`), for the engine to send positions up."""
         self.spec = spec
         mine = replace(opts, **_OPTIONS[spec.kind])  # type: ignore[arg-type]
         if not spec.eager_sync:
             mine.sync_every = 0
-        self.gen = RoutedGenerator(edge, mine, connect if mine.policy != "edge" else None)
+        self.gen = RoutedGenerator(edge, mine, connect if mine.policy != "edge" else None, tier_connects=tier_connects)
         self.query_threshold = opts.threshold if query_threshold is None else query_threshold
         self.light_mode = False
 

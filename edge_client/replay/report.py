@@ -46,7 +46,8 @@ def machine_info() -> dict[str, Any]:
 
 def build_report(rows: list[dict], policies: list[str], meta: dict[str, Any]) -> dict[str, Any]:
     """rows: one per (session, turn, policy) -> the whole report object."""
-    per_policy = {p: summarize([r for r in rows if r["policy"] == p]) for p in policies}
+    sizes = meta.get("config", {}).get("tier_sizes")  # a pool's cost-model sizes (None: the production cloud)
+    per_policy = {p: summarize([r for r in rows if r["policy"] == p], sizes) for p in policies}
     edge, cloud = per_policy.get("edge"), per_policy.get("cloud")
     for name, s in per_policy.items():
         s["quality_gap_recovered"] = quality_gap_recovered(
@@ -173,7 +174,8 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "A pass reads the cloud model's weights once, whatever its number of tokens; counts come from the "
-        "server's replies. GPU-seconds: the cost model of docs/server.md (70B on 4 x H100), not a measurement.",
+        "server's replies. GPU-seconds: the cost model of docs/server.md (70B on 4 x H100; with `--tier`, each tier "
+        "at its `--tier-sizes`), not a measurement.",
         "",
         "## Where the time goes (mean ms per answer)",
         "",
