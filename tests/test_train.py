@@ -249,6 +249,19 @@ def test_eval_json_object(router_file, tmp_path, capsys):
     )
     assert set(result["gap_recovered_at_30"]) == {"learned", "entropy", "random"}
     assert (tmp_path / "ev.json").is_file() and (tmp_path / "ev.png").stat().st_size > 1000
+    # the Pareto front of quality against the work model's GPU-seconds: the free device end is on it, no
+    # point on it is beaten on both, and every point off it is
+    front = result["pareto_front"]
+    points = [(p["gpu_s_per_1k_tokens"], p["cloud_nll"]) for pts in result["methods"].values() for p in pts]
+    on = {(p["gpu_s_per_1k_tokens"], p["cloud_nll"]) for p in front}
+    edge = result["methods"]["edge-only"][0]
+    assert edge["gpu_s_per_1k_tokens"] == 0.0 and (0.0, edge["cloud_nll"]) in on
+    assert [p["gpu_s_per_1k_tokens"] for p in front] == sorted(p["gpu_s_per_1k_tokens"] for p in front)
+
+    def beaten(c: float, q: float) -> bool:
+        return any(c2 <= c and q2 <= q and (c2, q2) != (c, q) for c2, q2 in points)
+
+    assert not any(beaten(*x) for x in on) and all(beaten(*x) for x in set(points) - on)
 
 
 def test_eval_side_by_side_routers_share_one_run(tmp_path, capsys):

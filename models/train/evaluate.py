@@ -78,6 +78,7 @@ from shared.decision import (
 )
 from shared.decision_engine import BUILTIN_ENGINE, DEVICE, DecisionEngine, EngineSetup, build_engine, engine_tier
 from shared.decision_engine import Position as EnginePosition
+from shared.gpu_cost import PRODUCTION_CLOUD
 from shared.learned_router import LearnedRouter, RouterFile
 from shared.llama_backend import LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -565,6 +566,7 @@ def summarise(runs: list[_Run], texts: list[str], prompts: list[str], opts: Eval
     beats = all(nll_at["learned"][k] < nll_at["entropy"][k] for k in nll_at["learned"])
     return {
         "methods": methods,
+        "pareto_front": pareto_front(methods),  # quality against the work model's GPU-seconds, over every point
         "gap_recovered_at_30": gap,
         "gap_recovered_at_30_ci95": gap_interval(runs, names, seed=opts.seed),
         "cloud_nll_at": nll_at,
@@ -585,7 +587,26 @@ def _work_point(items: list[tuple[_Run, str]], n: int) -> dict[str, Any]:
         "cloud_tokens_by_kind_per_token": {
             k: round(getattr(total, f"{k}_tokens") / n, 4) for k in ("prefill", "generate", "verify", "guess")
         },
+        "gpu_s_per_1k_tokens": round(1000 * PRODUCTION_CLOUD.gpu_seconds(total.passes, total.tokens) / n, 3),
     }
+
+
+def pareto_front(methods: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The points no other point beats on both cost and quality: (method, target, GPU-seconds per 1k answer
+    tokens in the work model, cloud NLL), cheapest first. A point is dominated by one at most as costly and
+    at most as bad, better in one."""
+    points = {
+        (m, p["target_fraction"]): (p["gpu_s_per_1k_tokens"], p["cloud_nll"]) for m, pts in methods.items() for p in pts
+    }
+    front = [
+        (cost, nll, m, f)
+        for (m, f), (cost, nll) in points.items()
+        if not any(c <= cost and q <= nll and (c, q) != (cost, nll) for c, q in points.values())
+    ]
+    return [
+        {"method": m, "target_fraction": f, "gpu_s_per_1k_tokens": cost, "cloud_nll": nll}
+        for cost, nll, m, f in sorted(front)
+    ]
 
 
 def gap_interval(runs: list[_Run], names: list[str], seed: int = 0) -> dict[str, list[float]]:
