@@ -206,3 +206,31 @@ def test_a_text_tiers_rewrite_rolls_the_token_cloud_back(edge_model, cloud_serve
         assert gen.cloud.link is not None and gen.cloud.link.held == gen.decoder.history
     finally:
         gen.close()
+
+
+def test_the_app_runs_a_pool(tmp_path):
+    """`tokenrouter-edge app --tier local:smollm2-135m-q4_1 --decision-engine escalate:above=0`: the app
+    starts the tier's loopback server with its own cloud, its generator sends the hard positions up to
+    it, and the page's record of a turn says who wrote each token. (The turn is asked of the app's
+    generator directly; the browser tests drive whole spoken turns.)"""
+    from edge_client.answer import Answer
+    from edge_client.cli import build_parser
+    from edge_client.voice.events import TurnDone
+    from edge_client.webapp.cli import build_core
+    from edge_client.webapp.conversation import turn_json
+
+    args = build_parser().parse_args(
+        ["app", "--no-browser", "--config", str(tmp_path / "a.json"), "--tier", "local:smollm2-135m-q4_1"]
+        + ["--decision-engine", "escalate:above=0", "--cloud-fraction", "0.5"]
+    )
+    core = build_core(args)
+    try:
+        core.load()
+        assert core.load_error is None and core.gen is not None and len(core.gen.tiers) == 1
+        answer = core.gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=24)
+        assert isinstance(answer, Answer) and not answer.degraded
+        assert 2 in answer.tiers  # hard positions went to the top tier (the cloud still checks and guesses)
+        done = TurnDone(transcript=LONG_QUESTIONS[0], answer=answer, spoken_text=answer.text, interrupted=False)
+        assert turn_json(done, core.settings)["answer"]["tiers"] == answer.tiers
+    finally:
+        core.close()

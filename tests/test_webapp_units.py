@@ -257,8 +257,14 @@ def test_app_refuses_bad_options_before_loading_models(tmp_path, capsys):
     assert "ws:// or wss://" in capsys.readouterr().err
     assert cmd_app(parse(["app", "--no-browser", "--config", str(tmp_path / "a.json"), "--threshold", "0.5"])) == 2
     assert "--cloud-fraction" in capsys.readouterr().err
-    assert cmd_app(parse(["app", "--no-browser", "--config", str(tmp_path / "a.json"), "--tier", "local:x"])) == 2
-    assert "a pool of tiers (--tier) runs with ask" in capsys.readouterr().err
+    assert cmd_app(parse(["app", "--no-browser", "--config", str(tmp_path / "a.json"), "--tier", "gemma"])) == 2
+    assert "a tier (--tier) is local:MODEL or a ws:// or wss:// URL" in capsys.readouterr().err
+    assert (
+        cmd_app(parse(["app", "--no-browser", "--config", str(tmp_path / "a.json"), "--tier", "local:gemma3-270m"]))
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "is a base model" in err and "--allow-base-model" in err
     assert not (tmp_path / "a.json").exists()  # nothing saved from the command line
 
 

@@ -69,8 +69,6 @@ def build_core(args: argparse.Namespace) -> AppCore:
     """The app's core from the command line (not loaded yet); raises SettingsError, DeviceError, ValueError."""
     if args.threshold is not None:
         raise ValueError("the app sets the cloud share with --cloud-fraction (or its slider), not --threshold")
-    if args.tier:
-        raise ValueError("the app runs one cloud; a pool of tiers (--tier) runs with ask, listen and file")
     overrides: dict[str, Any] = {}
     if args.cloud is not None:
         overrides["cloud"] = args.cloud
@@ -89,7 +87,9 @@ def build_core(args: argparse.Namespace) -> AppCore:
     args.cloud, args.check, args.api_key = args.cloud or "local", args.check or DEFAULT_CHECK, args.api_key or ""
     vopts = voice_options_from_args(args)
     vopts.full_duplex = args.duplex == "full"  # --audio device; the browser's comes from the barge-in setting
-    core = AppCore(options_from_args(args), vopts, SettingsStore(args.config), overrides, audio=args.audio)
+    gen_opts = options_from_args(args)
+    gen_opts.validate()  # a malformed --tier, a base model without --allow-base-model: before any model loads
+    core = AppCore(gen_opts, vopts, SettingsStore(args.config), overrides, audio=args.audio)
     if args.audio == "device":  # fail before loading models
         resolve_device(core.settings.input_device or None, "input")
         resolve_device(core.settings.output_device or None, "output")

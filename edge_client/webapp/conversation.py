@@ -84,6 +84,7 @@ def turn_json(done: TurnDone, settings: AppSettings, tally: ShareTally | None = 
             "text": a.text,
             "pieces": a.pieces,
             "routes": a.routes,
+            "tiers": a.tiers,  # who wrote each token: 0 the device, 1 the cloud, 2+ a tier above it (--tier)
             "scores": [_round(s, 3) for s in a.scores],
             "lookahead_positions": a.lookahead_positions,
             "overruled_positions": a.overruled_positions,

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from edge_client.cloud_link import CloudBusy, CloudLink, CloudRejected, CloudUnavailable
 from edge_client.generator import RoutedGenerator
-from edge_client.local_cloud import loopback_server
+from edge_client.local_cloud import loopback_server, tier_clouds
 from edge_client.options import GeneratorOptions
 from edge_client.voice.audio_io import DeviceError, list_devices
 from edge_client.voice.dialogue import Dialogue
@@ -125,7 +125,10 @@ class AppCore:
                 check=s.check,
                 policy=self._policy_for(s),
             )
-            gen = RoutedGenerator(edge, opts, self.target)
+            # a pool (--tier): the tiers above the cloud start with the app (unless it starts on the device
+            # alone) and stay whatever cloud the settings name
+            tier_connects = self._stack.enter_context(tier_clouds(opts))
+            gen = RoutedGenerator(edge, opts, self.target, tier_connects=tier_connects)
             self._stack.callback(gen.close)
             tts = replace(self.vopts.tts, length_scale=self._length_scale(s.pace))
             self.engines = Engines(gen, self.vopts.asr, tts, self.vopts.dialogue.system_prompt, self.vopts.turn)
