@@ -40,6 +40,7 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.local_cloud import loopback_cloud, tier_clouds
 from edge_client.message_end import MessageEnd, user_message_start
 from edge_client.options import GeneratorOptions
+from edge_client.prefetch import TierForecast
 from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVerify, PerToken, Span, Strategy
 from edge_client.turn import Turn
 from edge_client.writer import AnswerWriter
@@ -104,6 +105,10 @@ class RoutedGenerator:
             for c in (connect, *(tier_connects if connect is not None else ()))
         )
         self.tier_routers = self._tier_routers(opts) if self.tiers else []
+        n_tiers = 2 + len(self.tiers)
+        self.forecast = (
+            TierForecast(n_tiers, opts.prefetch_window) if self.tiers and opts.prefetch == "forecast" else None
+        )
         self.engine = self._engine(opts, self.policy)  # for this pool's tiers (above)
         self.exploration = opts.exploration()  # kept across answers: its budget is per minute
         self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
@@ -293,6 +298,8 @@ class RoutedGenerator:
         self.decoder.set_history(prompt)
         self.policy.start_answer()
         self.engine.start_answer()
+        if self.forecast is not None:
+            self.forecast.start_answer()
         self.rule.start_answer()
         cloud = self.cloud
         use_cloud = mode != "edge" and cloud.configured
@@ -336,6 +343,7 @@ class RoutedGenerator:
             prompt_len=len(prompt),
             tiers=self.tiers if use_cloud else [],
             tier_routers=self.tier_routers if use_cloud else [],
+            forecast=self.forecast if use_cloud else None,
             messages=messages,
         )
         while not turn.finished():

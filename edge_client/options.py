@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edge_client.prefetch import PREFETCH_MODES
 from models.registry import BASE_MODELS, DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL
 from shared.cpus import parse_cpus
 from shared.decision import CHECK_MAX_DRAFT, SYNC_EVERY, RuleOptions
@@ -40,6 +41,8 @@ class GeneratorOptions:
     # Prefetch: a tier above the cloud that wrote a position within the last prefetch_window positions is kept
     # in step like the cloud (sync_every), so its next request has little left to prefill; 0: only when asked
     prefetch_window: int = 8
+    # ... or also while its own router forecasts it ("forecast": edge_client/prefetch.py; "recent": recent use only)
+    prefetch: str = "recent"
     # A base model (no chat template: models/registry.py BASE_MODELS, or a cloud whose accept says so) continues
     # text rather than answering; it is refused as an answer writer on either side unless this is set
     allow_base_model: bool = False
@@ -156,6 +159,8 @@ class GeneratorOptions:
             if not (tier.startswith(("ws://", "wss://")) or (tier.startswith("local:") and len(tier) > 6)):
                 raise ValueError(f"a tier (--tier) is local:MODEL or a ws:// or wss:// URL, not {tier!r}")
         self.refuse_base_models()
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch (--prefetch) must be one of {', '.join(PREFETCH_MODES)}, not {self.prefetch!r}")
         if self.prefetch_window < 0:
             raise ValueError(f"prefetch_window (--prefetch-window) must be >= 0, not {self.prefetch_window}")
         if self.tiers and self.cloud == "none":

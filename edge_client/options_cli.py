@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from edge_client.options import GeneratorOptions
+from edge_client.prefetch import PREFETCH_MODES
 from shared.decision import CHECK_MODES
 from shared.protocol import TEXT_MODES
 
@@ -34,6 +35,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=D.prefetch_window,
         help="keep a tier above the cloud in step while it wrote within the last N positions (0: only when asked)",
+    )
+    p.add_argument(
+        "--prefetch",
+        choices=PREFETCH_MODES,
+        default=D.prefetch,
+        help="which tiers above the cloud are kept in step: those that wrote recently, or also those their own "
+        "router expects soon (forecast)",
     )
     p.add_argument("--api-key", default=D.api_key, help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
     p.add_argument("--edge-model", default=D.edge_model, help="registered name or .gguf path")
@@ -168,6 +176,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         cloud=args.cloud,
         tiers=tuple(args.tier or D.tiers),
         prefetch_window=args.prefetch_window,
+        prefetch=args.prefetch,
         allow_base_model=args.allow_base_model,
         api_key=args.api_key,
         policy=args.policy,

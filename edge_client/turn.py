@@ -18,6 +18,7 @@ from edge_client.answer import Answer, Route
 from edge_client.cloud_session import CloudSession
 from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
+from edge_client.prefetch import TierForecast
 from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
 from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Position, engine_tier
@@ -66,6 +67,7 @@ class Turn:
     # Per tier (index = tier), the router trained for the device and that tier's model where one ships
     # (None: the pair's router stands in); empty when no tier has its own
     tier_routers: list[Router | None] = field(default_factory=list)
+    forecast: TierForecast | None = None  # --prefetch forecast: which tiers the routers expect soon
     _clause_scan: int = 0  # the history up to here holds no clause end (Position.in_first_clause)
     _clause_ended: bool = False
 
@@ -94,6 +96,8 @@ class Turn:
             self._score_tiers(score, hidden, logits, proposed)
         self.position.in_first_clause = self._in_first_clause()
         self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers)
+        if self.forecast is not None:
+            self.forecast.observe(self.position, self.tier)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
         return score, self.tier != DEVICE
 
@@ -174,17 +178,22 @@ class Turn:
 
     def sync_eagerly(self) -> None:
         """Send the final device tokens the cloud lacks once there are `sync_every` of them; likewise to a
-        tier above it that wrote within the last `prefetch_window` positions (else it is brought up to
-        date when next asked)."""
+        tier above it that wrote within the last `prefetch_window` positions, or that the forecast expects
+        (`--prefetch forecast`); any other tier is brought up to date when next asked."""
         cloud, every, history = self.cloud, self.opts.sync_every, self.decoder.history
         self.align()
         if cloud.up and every > 0 and len(history) - cloud.cloud_len >= every:
             cloud.sync(history)
-        for tier, last in self._last_written.items():  # prefetch: the tiers likely to be asked again soon
-            session = self.tiers[tier - 2]
-            if len(self.answer.tokens) - last <= self.opts.prefetch_window and session.up and every > 0:
-                if len(history) - session.cloud_len >= every:
-                    session.sync(history)
+        if every <= 0:
+            return
+        for tier in range(2, 2 + len(self.tiers)):  # prefetch: the tiers likely to be asked soon (prefetch.py)
+            last = self._last_written.get(tier)
+            recent = last is not None and len(self.answer.tokens) - last <= self.opts.prefetch_window
+            if not recent and (self.forecast is None or not self.forecast.expects(tier)):
+                continue
+            session = self.cloud_for(tier)  # a tier the forecast expects joins the answer now
+            if session is not None and len(history) - session.cloud_len >= every:
+                session.sync(history)
 
 
 @dataclass(slots=True)

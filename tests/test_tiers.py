@@ -185,6 +185,61 @@ def test_prefetch_keeps_a_tier_in_use_in_step(edge_model, cloud_server, gemma_se
     assert sent[8] > sent[0]
 
 
+class DeviceOnlyEngine:
+    """A stand-in engine that keeps every position on the device (the forecast alone moves the tier)."""
+
+    name = "device-only"
+
+    def start_answer(self) -> None:
+        pass
+
+    def decide(self, position: Position) -> int:
+        return 0
+
+
+def test_the_forecast_expects_a_tier_once_its_scores_reach_its_asking_level():
+    """`--prefetch forecast` (edge_client/prefetch.py): never before the engine has asked the tier; then
+    while the tier's recent scores reach FORECAST_SHARE of the level it was asked at."""
+    from edge_client.prefetch import FORECAST_SHARE, TierForecast
+
+    f = TierForecast(3, window=3)
+    at = Position(score=0.1, tier_scores=np.array([0.0, 0.1, 0.9], np.float32))
+    f.observe(at, 0)
+    assert not f.expects(2)  # high scores, but never asked: no level yet
+    f.observe(at, 2)  # asked at 0.9
+    assert f.level[2] == pytest.approx(0.9) and not f.expects(2)  # the recent mean is still rising (0.68)
+    f.observe(at, 0)
+    assert f.expects(2)  # 0.79 >= 0.8 x 0.9
+    low = Position(score=0.1, tier_scores=np.array([0.0, 0.1, 0.1], np.float32))
+    for _ in range(6):
+        f.observe(low, 0)
+    assert f.recent[2] < FORECAST_SHARE * 0.9 and not f.expects(2)  # the stretch of hard positions is over
+    f.start_answer()
+    assert f.recent[2] == 0.0 and f.level[2] == pytest.approx(0.9)  # the level carries over to the next answer
+
+
+def test_a_tier_the_forecast_expects_is_brought_into_step_before_it_is_asked(edge_model, cloud_server, gemma_server):
+    """With `prefetch="forecast"` and a forecast that expects the top tier (a stand-in for the router's
+    scores reaching its asking level), the device's tokens go to it as they come although no position is
+    asked of it; without the forecast (`recent`), nothing goes to a tier that was not asked."""
+    sent = {}
+    for mode in ("forecast", "recent"):
+        gen = make_generator(edge_model, cloud_server, tiers=[gemma_server], prefetch=mode, prefetch_window=0)
+        try:
+            gen.engine = DeviceOnlyEngine()
+            assert (gen.forecast is not None) == (mode == "forecast")
+            if gen.forecast is not None:
+                gen.forecast.expects = lambda tier: True  # type: ignore[method-assign]
+            top = gen.tiers[0]
+            before = top.traffic()
+            a = gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=16)
+            sent[mode] = top.traffic() - before
+        finally:
+            gen.close()
+        assert set(a.tiers) == {0} and not a.degraded
+    assert sent["forecast"].bytes_up > 0 and sent["recent"].bytes_up == 0
+
+
 def test_a_text_tiers_rewrite_rolls_the_token_cloud_back(edge_model, cloud_server, gemma_server):
     """The cloud (tokens) holds the device's "Hello wor"; the text tier's "ld! How" makes the device
     re-tokenize to "Hello world! How" (" wor" rolled back). The next sync first rolls the cloud back
