@@ -58,13 +58,14 @@ class CostEngine:
         self.spent = self.waited = 0.0
 
     def decide(self, position: Position) -> int:
-        best, best_net = DEVICE, 0.0
+        best, best_net, open_tiers = DEVICE, 0.0, 0
         for tier in range(1, len(self.costs)):
             cost = self.costs[tier]
             if self.spent + cost > self.gpu_ms:
                 continue
             if position.in_first_clause and self.waited + self.waits[tier] > self.wait_ms:
                 continue
+            open_tiers += 1
             net = position.score_for(tier) - self.price * cost
             if net > best_net:
                 best, best_net = tier, net
@@ -72,8 +73,9 @@ class CostEngine:
         self.spent += cost
         if position.in_first_clause:
             self.waited += self.waits[best]
-        # dual ascent on the spend per position: a step of STEP in tier 1's threshold per unit overspent
-        self.price = max(0.0, self.price + STEP * (cost - self.target) / (self.unit * self.unit))
+        if open_tiers:  # (a position the budgets kept on the device says nothing about the price)
+            # dual ascent on the spend per position: a step of STEP in tier 1's threshold per unit overspent
+            self.price = max(0.0, self.price + STEP * (cost - self.target) / (self.unit * self.unit))
         return best
 
 

@@ -75,6 +75,11 @@ def test_the_answers_budgets_hold():
         e.start_answer()
         tiers = [e.decide(Position(score=0.99, tier_scores=np.array([0, 0.99, 0.99]))) for _ in range(60)]
         assert sum(e.costs[t] for t in tiers) <= 100 and e.spent <= 100 and any(tiers)
+    e = engine("cost:gpu_ms=10")  # room for one 8B ask: then the budget, not the price, keeps the device
+    e.start_answer()
+    e.decide(Position(score=0.99))
+    price = e.price
+    assert [e.decide(Position(score=0.99)) for _ in range(20)] == [0] * 20 and e.price == price  # nothing learned
     e = engine("cost:wait_ms=100,gpu_ms_per_token=1000")
     e.start_answer()
     first = [e.decide(Position(score=0.99, in_first_clause=True)) for _ in range(20)]
