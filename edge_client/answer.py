@@ -106,6 +106,7 @@ class Answer:
     # The cloud work of each tier of a pool (index = tier: [0] the device's, empty), to price each at its own
     # size (shared/gpu_cost.py); `traffic.work` is their sum
     tier_work: list[Work] = field(default_factory=list)
+    lost_tiers: list[int] = field(default_factory=list)  # tiers above the cloud lost in this answer (went down)
     cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
     lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
     explored_positions: list[int] = field(default_factory=list)  # answer indices asked by exploration (--explore)
@@ -175,6 +176,7 @@ class Answer:
             "total_ms": round(self.latency.total, 3),
             "traffic": self.traffic.to_json(),
             "tier_work": [{f: getattr(w, f) for f in WORK_FIELDS} for w in self.tier_work],
+            "lost_tiers": self.lost_tiers,
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "round_trips": self.round_trips,

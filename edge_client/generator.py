@@ -356,6 +356,7 @@ class RoutedGenerator:
         spent = [s.traffic() - t0 for s, t0 in zip(sessions, traffic0)]
         answer.traffic = sum(spent, Traffic())
         answer.tier_work = [Work(), *(t.work for t in spent)] if use_cloud else []
+        answer.lost_tiers = turn.lost_tiers()
         answer.tiers = [0 if r == "edge" else 1 for r in answer.routes]
         for start, end, tier in turn.tier_writes:
             answer.tiers[start:end] = [tier] * (end - start)

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
+from edge_client.cloud_session import CloudSession
 from edge_client.shared_history import history_of
 from edge_client.turn import Turn, draft_clause
 from shared.decision import Step
@@ -41,7 +44,8 @@ class PerToken:
     """One position: the cloud's guess or the router decides; a hard position is one round trip
     (with exploration, also a position the router kept, now and then: Turn.explore). If the cloud
     cannot answer (lost, slow, declined, or in text mode the device's text ends inside a
-    character), the device writes the position (a fallback, unless it was explored)."""
+    character), the device writes the position (a fallback, unless it was explored); a lost tier
+    above the cloud hands it to the next tier down first."""
 
     def run(self, turn: Turn) -> None:
         rule = turn.rule
@@ -57,18 +61,31 @@ class PerToken:
         if step is Step.GUESS_TAKE and guess is not None:  # the cloud's guess, no round trip
             history_of(guessing).take_guess(turn, guessing, guess)
             rule.written(turn.answer.tokens[-1])
-        elif (
-            step is Step.ASK
-            and (cloud := turn.cloud_for(tier)) is not None
-            and history_of(cloud).ask(turn, cloud, proposed, hidden, score, explore)
-        ):
-            turn.asked(cloud, tier, n_before)
+        elif step is Step.ASK and (asked := _ask_down(turn, tier, proposed, hidden, score, explore)) is not None:
+            turn.asked(*asked, n_before)
             rule.written(turn.answer.tokens[-1], cloud_answered=True)
         else:
             fallback = step is Step.ASK and turn.cloud.configured and not explore
             turn.write(proposed, "edge", score, fallback, lookahead=guess is not None)
             rule.written(proposed)
         turn.sync_eagerly()
+
+
+def _ask_down(
+    turn: Turn, tier: int, proposed: int, hidden: np.ndarray, score: float | None, explore: bool
+) -> tuple[CloudSession, int] | None:
+    """Ask `tier` to write this position; a tier that is lost (or becomes lost asking) hands the position
+    to the next one down, the cloud last. None: no tier wrote it (all lost, or one was slow, declined,
+    or could not take a partial character), so the device does."""
+    for t in range(tier, CLOUD - 1, -1):
+        cloud = turn.cloud_for(t)
+        if cloud is None:
+            continue
+        if history_of(cloud).ask(turn, cloud, proposed, hidden, score, explore):
+            return cloud, t
+        if cloud.up:
+            return None
+    return None
 
 
 class ClauseCheck:

@@ -134,6 +134,10 @@ class Turn:
             session.start_answer(self.messages, prompt, lambda: self.decoder.history)
         return session if session.up else None
 
+    def lost_tiers(self) -> list[int]:
+        """The tiers above the cloud that joined this answer and are lost now (their positions went down)."""
+        return [t for t in sorted(self._joined) if not self.tiers[t - 2].up]
+
     def asked(self, cloud: CloudSession, tier: int, n_before: int) -> None:
         """`cloud` (of `tier`) wrote the answer's positions from `n_before` on: its guess is due next."""
         self.last_asked = cloud

@@ -117,6 +117,58 @@ def test_the_cost_engine_keeps_each_answer_within_its_gpu_budget(edge_model, clo
     assert any(abs(s2 - s) > 0.01 for s, _, s2 in seen)  # tier 2: its own router
 
 
+@pytest.mark.kernel
+def test_a_pool_of_the_devices_own_model_changes_nothing(edge_model, edge_info, same_model_server):
+    """Every tier runs the device's GGUF (the cloud, and a second server as tier 2), every position
+    hard, the hardest sent to tier 2: greedy, the answer is the device's own, up to a near-tie the
+    kernels may break either way; both tiers wrote."""
+    from cloud_server.local import LocalCloudServer
+    from tests.helpers import agree_up_to_a_tie
+
+    alone = make_generator(edge_model, None, mode="edge")
+    with LocalCloudServer(model=str(edge_info.path)) as top:
+        pool = make_generator(
+            edge_model, same_model_server, threshold=0.0, tiers=[top], decision_engine="escalate:above=0.15"
+        )
+        try:
+            written = []
+            for q in LONG_QUESTIONS[:2]:
+                want = alone.generate(chat(q), max_tokens=32)
+                got = pool.generate(chat(q), max_tokens=32)
+                assert not got.degraded and got.n_cloud_tokens == got.n_tokens
+                assert agree_up_to_a_tie(edge_info, chat(q), got.tokens, want.tokens), q
+                written += got.tiers
+        finally:
+            pool.close()
+            alone.close()
+    assert {1, 2} <= set(written)
+
+
+def test_a_lost_tier_hands_its_positions_to_the_next_one_down(edge_model, cloud_server):
+    """Every hard position goes to tier 2 (a second server of the cloud's model); it is killed after the
+    answer's sixth token: the following positions are written by the cloud (tier 1), not the device;
+    the answer is not degraded and names the lost tier."""
+    from cloud_server.local import LocalCloudServer
+    from models.registry import DEFAULT_CLOUD_MODEL
+
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL) as top:
+        gen = make_generator(edge_model, cloud_server, threshold=0.0, tiers=[top], decision_engine="escalate:above=0")
+        seen = []
+
+        def on_token(event: object) -> None:
+            seen.append(event)
+            if len(seen) == 6:
+                top.kill()
+
+        try:
+            a = gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=16, on_token=on_token)
+        finally:
+            gen.close()
+    assert a.tiers[:6] == [2] * 6, a.tiers
+    assert a.tiers[6:] and set(a.tiers[7:]) == {1}, a.tiers  # (the 7th may be the one asked as the tier died)
+    assert a.lost_tiers == [2] and not a.degraded and a.to_json()["lost_tiers"] == [2]
+
+
 def test_an_engine_asking_for_a_tier_the_pool_lacks_is_told_to_add_it(edge_model, cloud_server):
     gen = make_generator(edge_model, cloud_server, threshold=0.0)
     try:
