@@ -444,6 +444,38 @@ def test_ask_with_every_default_through_the_remote_engine(remote_cloud):
     assert any(guessed), "no answer had a cloud token in its first clause, so no guess was asked"
 
 
+def test_a_pool_and_exploration_through_the_remote_engine(remote_cloud, cloud_server, edge):
+    """The remote-engine cloud as tier 1, the embedded one as tier 2 (`--tier`), half the hard positions
+    sent up (`escalate:top_share=0.5`), exploration at 30 % (the server's default per-key budget): the
+    remote engine answers the explored positions and its tier's, the embedded one the top tier's;
+    nothing is declined or degraded. Every other option is the default, but the check (off: in the check
+    phase only the first cloud tier is asked)."""
+    opts = GeneratorOptions(
+        cloud=remote_cloud.url,
+        api_key=remote_cloud.api_key,
+        tiers=(cloud_server.url,),
+        decision_engine="escalate:top_share=0.5",
+        explore=0.3,
+        explore_per_minute=60,
+        check="off",
+        cloud_timeout_s=5.0,
+    )
+    links = [lambda s=s: CloudLink(s.url, s.api_key, timeout_s=5.0) for s in (remote_cloud, cloud_server)]
+    gen = RoutedGenerator(edge, opts, links[0], tier_connects=links[1:])
+    try:
+        answers = [gen.generate(chat(q), max_tokens=32) for q in (WIFI, "explain how vaccines work")]
+    finally:
+        gen.close()
+    assert not any(a.degraded or a.explore_declined or a.lost_tiers for a in answers)
+    tiers = [t for a in answers for t in a.tiers]
+    assert {1, 2} <= set(tiers), tiers
+    assert sum(len(a.explored_positions) for a in answers) > 0
+    assert all(a.tiers[i] == 1 for a in answers for i in a.explored_positions)  # explored: the cloud's tier
+    work = [w for a in answers for w in a.tier_work[1:2]]
+    assert sum(w.engine_requests for w in work) > 0  # tier 1's positions went through the remote engine
+    assert all(a.tier_work[2].engine_requests == 0 for a in answers)  # the embedded engine makes no requests
+
+
 def test_check_all_through_the_remote_engine(remote_cloud, edge):
     gen = generator(edge, remote_cloud, timeout_s=5.0, check="all", max_tokens=40)
     try:
