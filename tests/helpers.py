@@ -22,6 +22,7 @@ from edge_client.options import GeneratorOptions
 from edge_client.turn import Turn
 from edge_client.writer import AnswerWriter
 from shared.decision import TIE_NATS, AnswerRule, ClauseEnds, OverruledShare
+from shared.decision_engine import Position
 from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.model_info import ModelInfo
@@ -334,3 +335,19 @@ def ask_json(*args: str, env: dict[str, str] | None = None) -> dict:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
+
+
+class StandInEngine:
+    """A stand-in decision engine whose tier depends only on the position's index (`choose`): for tests
+    that need a decision no router gives on every CPU (an installed engine is tested in
+    test_decision_engine.py)."""
+
+    def __init__(self, name: str, choose: Callable[[int], int]) -> None:
+        self.name = name
+        self.choose = choose
+
+    def start_answer(self) -> None:
+        pass
+
+    def decide(self, position: Position) -> int:
+        return self.choose(position.index)

@@ -29,7 +29,7 @@ from shared.decision_engine import (
 )
 from shared.policy import PolicyConfig, RoutingPolicy
 from tests.conftest import QUESTIONS, chat
-from tests.helpers import ask_cli, make_generator
+from tests.helpers import StandInEngine, ask_cli, make_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "budget-engine"
@@ -103,21 +103,11 @@ def test_the_example_package_is_found_and_checks_its_options(on_path):
         build_engine("budget:max_cloud=-1", EngineSetup(fixed_policy(0.5), {}))
 
 
-class WrongTier:
-    name = "wrong-tier"
-
-    def start_answer(self) -> None:
-        pass
-
-    def decide(self, position: Position) -> int:
-        return 7
-
-
 def test_an_engine_choosing_a_tier_the_pool_lacks_is_named(edge_model, cloud_server):
     """An engine's bug stops the answer with its name, rather than passing as a route."""
     gen = make_generator(edge_model, cloud_server, threshold=0.0)
     try:
-        gen.engine = WrongTier()  # stand-in engine: a broken one cannot be installed on purpose
+        gen.engine = StandInEngine("wrong-tier", lambda i: 7)  # a broken engine cannot be installed on purpose
         with pytest.raises(DecisionEngineError, match="'wrong-tier' chose tier 7"):
             gen.generate(chat(QUESTIONS[1]), max_tokens=8)
     finally:

@@ -18,7 +18,7 @@ from shared.decision_engine import DecisionEngineError, EngineSetup, Position, b
 from shared.learned_router import LearnedRouter
 from shared.policy import PolicyConfig, RoutingPolicy
 from tests.conftest import GEMMA, LONG_QUESTIONS, chat
-from tests.helpers import ask_cli, make_generator, make_turn, metric
+from tests.helpers import StandInEngine, ask_cli, make_generator, make_turn, metric
 
 
 def test_escalate_sends_hard_positions_up_by_score():
@@ -203,19 +203,6 @@ def test_the_command_line_runs_a_pool():
     assert p.returncode != 0 and "local:MODEL or a ws:// or wss:// URL" in p.stderr
 
 
-class TopFirst:
-    """A stand-in engine (an installed one is tested in test_decision_engine.py): the top tier writes
-    the answer's first position, the device the rest."""
-
-    name = "top-first"
-
-    def start_answer(self) -> None:
-        pass
-
-    def decide(self, position: Position) -> int:
-        return 2 if position.index == 0 else 0
-
-
 def test_prefetch_keeps_a_tier_in_use_in_step(edge_model, cloud_server, gemma_server):
     """After the top tier writes, the device's next tokens are sent to it as they come (every
     `sync_every`) while it is within `prefetch_window` positions of its last write; with a window of
@@ -224,7 +211,7 @@ def test_prefetch_keeps_a_tier_in_use_in_step(edge_model, cloud_server, gemma_se
     for window in (8, 0):
         gen = make_generator(edge_model, cloud_server, tiers=[gemma_server], prefetch_window=window)
         try:
-            gen.engine = TopFirst()
+            gen.engine = StandInEngine("top-first", lambda i: 2 if i == 0 else 0)  # the top tier writes first
             top = gen.tiers[0]
             before = top.traffic()
             a = gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=24)
@@ -235,18 +222,6 @@ def test_prefetch_keeps_a_tier_in_use_in_step(edge_model, cloud_server, gemma_se
         assert spent.round_trips == 1
         sent[window] = spent.bytes_up
     assert sent[8] > sent[0]
-
-
-class DeviceOnlyEngine:
-    """A stand-in engine that keeps every position on the device (the forecast alone moves the tier)."""
-
-    name = "device-only"
-
-    def start_answer(self) -> None:
-        pass
-
-    def decide(self, position: Position) -> int:
-        return 0
 
 
 def test_the_forecast_expects_a_tier_once_its_scores_reach_its_asking_level():
@@ -278,7 +253,7 @@ def test_a_tier_the_forecast_expects_is_brought_into_step_before_it_is_asked(edg
     for mode in ("forecast", "recent"):
         gen = make_generator(edge_model, cloud_server, tiers=[gemma_server], prefetch=mode, prefetch_window=0)
         try:
-            gen.engine = DeviceOnlyEngine()
+            gen.engine = StandInEngine("device-only", lambda i: 0)  # the forecast alone moves the tier
             assert (gen.forecast is not None) == (mode == "forecast")
             if gen.forecast is not None:
                 gen.forecast.expects = lambda tier: True  # type: ignore[method-assign]
