@@ -36,6 +36,7 @@ from edge_client.cloud_link import CloudLink
 from edge_client.generator import RoutedGenerator, open_generator
 from edge_client.options import GeneratorOptions
 from models.registry import DEFAULT_CLOUD_MODEL
+from shared.decision import CLAUSE_END
 from shared.llama_backend import LlamaModel
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -513,7 +514,11 @@ def test_a_voice_file_turn_with_every_default_through_the_remote_engine(remote_c
         )
         error = gen.last_cloud_error
     assert obj["answer"].strip() and obj["n_tokens"] > 0 and not obj["degraded"], (error, obj, remote_cloud.log[-60:])
-    assert obj["n_cloud_tokens"] > 0 and checks, obj
+    assert obj["n_cloud_tokens"] > 0, obj
+    # The check runs from the second clause on (`after-first-clause`): an answer of one clause has none.
+    # (Under load the streaming transcript can differ, "How do I reset my router? I", and so the answer.)
+    one_clause = not any(c in obj["answer"].strip()[:-1] for c in CLAUSE_END)
+    assert checks or one_clause, obj
 
 
 def test_a_killed_engine_mid_answer_leaves_the_device_to_finish(cloud_info, edge, tmp_path):
