@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from shared.decision_engine_api import DEVICE, DecisionEngineError, EngineSetup, Position
+from shared.decision_engine_api import DEVICE, DecisionEngineError, EngineSetup, Position, option_number
 from shared.gpu_cost import GpuCostModel, default_tier_sizes, parse_tier_sizes
 
 DEFAULT_RTT_MS = 40.0  # a WAN round trip to the cloud
@@ -95,24 +95,14 @@ def make_cost_engine(setup: EngineSetup) -> CostEngine:
         raise DecisionEngineError(f"cost: sizes: {exc}") from None
     models = [GpuCostModel.for_size(b) for b in sizes]
     costs = [m.gpu_ms_per_ask() for m in models]
-    rtt = _number("rtt_ms", setup.options.get("rtt_ms", str(DEFAULT_RTT_MS)))
+    rtt = option_number("cost", "rtt_ms", setup.options.get("rtt_ms", str(DEFAULT_RTT_MS)))
     share = setup.policy.config.cloud_fraction
     default_rate = (DEFAULT_SHARE if share is None else share) * costs[0]
-    rate = _number("gpu_ms_per_token", setup.options.get("gpu_ms_per_token", str(default_rate)))
+    rate = option_number("cost", "gpu_ms_per_token", setup.options.get("gpu_ms_per_token", str(default_rate)))
     return CostEngine(
         costs,
         [rtt + 1000.0 * m.pass_s for m in models],
         rate,
-        gpu_ms=_number("gpu_ms", setup.options.get("gpu_ms", "inf")),
-        wait_ms=_number("wait_ms", setup.options.get("wait_ms", "inf")),
+        gpu_ms=option_number("cost", "gpu_ms", setup.options.get("gpu_ms", "inf")),
+        wait_ms=option_number("cost", "wait_ms", setup.options.get("wait_ms", "inf")),
     )
-
-
-def _number(key: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise DecisionEngineError(f"cost: {key} must be a number, not {text!r}") from None
-    if not value >= 0:
-        raise DecisionEngineError(f"cost: {key} must be >= 0, not {text!r}")
-    return value

@@ -41,6 +41,7 @@ from shared.decision_engine_api import (  # the types an engine is written again
     DecisionEngineError,
     EngineSetup,
     Position,
+    option_number,
 )
 from shared.policy import RoutingPolicy, ScoreCalibrator
 
@@ -95,16 +96,10 @@ def _escalate(setup: EngineSetup) -> DecisionEngine:
         raise DecisionEngineError(
             f"escalate takes above=SCORE or top_share=FRACTION, not {', '.join(sorted(setup.options))}"
         )
-    values = {}
-    for key, default in (("above", "0.8"), ("top_share", None)):
-        text = setup.options.get(key, default)
-        try:
-            values[key] = None if text is None else float(text)
-        except ValueError:
-            raise DecisionEngineError(f"escalate: {key} must be a number within [0, 1], not {text!r}") from None
-        if values[key] is not None and not 0.0 <= values[key] <= 1.0:
-            raise DecisionEngineError(f"escalate: {key} must be a number within [0, 1], not {values[key]}")
-    return EscalateEngine(setup.policy, values["above"], setup.tiers - 1, values["top_share"])
+    above = option_number("escalate", "above", setup.options.get("above", "0.8"), high=1.0)
+    share = setup.options.get("top_share")
+    top_share = None if share is None else option_number("escalate", "top_share", share, high=1.0)
+    return EscalateEngine(setup.policy, above, setup.tiers - 1, top_share)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:

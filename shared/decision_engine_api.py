@@ -7,6 +7,7 @@ model, and 2, 3, ... the tiers above it where the pool has them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,3 +67,15 @@ class EngineSetup:
 
 class DecisionEngineError(ValueError):
     """An engine that cannot be found, built or trusted; the message says what to do."""
+
+
+def option_number(engine: str, key: str, text: str, high: float = math.inf) -> float:
+    """An engine's numeric option (`key=text`), within [0, high]; else an error naming engine, key and range."""
+    bounds = f"within [0, {high:g}]" if high < math.inf else ">= 0"
+    try:
+        value = float(text)
+    except ValueError:
+        raise DecisionEngineError(f"{engine}: {key} must be a number {bounds}, not {text!r}") from None
+    if not 0.0 <= value <= high:
+        raise DecisionEngineError(f"{engine}: {key} must be a number {bounds}, not {text!r}")
+    return value

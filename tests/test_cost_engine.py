@@ -92,7 +92,7 @@ def test_bad_options_are_named():
     for spec, match in (
         ("cost:speed=1", "cost takes gpu_ms, gpu_ms_per_token, rtt_ms, sizes, wait_ms, not speed"),
         ("cost:sizes=8", "names 1 model sizes for a pool of 2 cloud tiers"),
-        ("cost:gpu_ms=-1", "gpu_ms must be >= 0"),
+        ("cost:gpu_ms=-1", "gpu_ms must be a number >= 0"),
         ("cost:wait_ms=soon", "wait_ms must be a number"),
     ):
         with pytest.raises(DecisionEngineError, match=match):
