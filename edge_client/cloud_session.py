@@ -11,11 +11,11 @@ its deadline is written by the device, a clause whose check misses it stands
 as drafted, and the link rolls the abandoned request back and stays
 (docs/architecture.md, "Failure and fallback").
 
-In text mode (protocol v3: the cloud's model tokenizes differently, or the
-options ask for it) the session turns the device's token history into the
-answer's text (shared/text_history.py) and asks with the `text_*` messages
-(`ask_text`, `stream_text`); the token calls still work where they make sense
-(`sync`), and `resync` (a prefill ahead of time) does nothing.
+The session never branches on how the answer is shared (tokens, or text in
+protocol v3's text mode): what the cloud holds is the link's `held`
+(edge_client/held_answer.py), and the requests themselves are the device's
+per-mode strategies' (edge_client/shared_history.py), which hand them to
+`request` as a function of the link.
 """
 
 from __future__ import annotations
@@ -24,25 +24,19 @@ import logging
 import time
 from typing import Callable, TypeVar
 
-import numpy as np
-
 from edge_client.answer import Traffic
 from edge_client.cloud_link import (
     CloudDeclined,
     CloudError,
     CloudLink,
     CloudRejected,
-    CloudText,
     CloudTimeout,
-    CloudToken,
     CloudUnavailable,
 )
 from edge_client.reconnect import Backoff
 from shared.model_info import ModelInfo
-from shared.protocol import SamplingParams, TextVerdict, Verdict
-from shared.sampling import Guess
-from shared.sequences import common_prefix
-from shared.text_history import SPAN_TOKENS, AnswerText, complete_utf8
+from shared.protocol import SamplingParams
+from shared.text_history import AnswerText
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +68,7 @@ class CloudSession:
         self.text_mode = text_mode
         self.allow_base_model = allow_base_model  # else a cloud whose accept says base_model is refused
         self.answer_text = answer_text
-        self._prompt_len = 0  # text mode: where the answer starts in the device's history
-        self._covered = 0  # text mode: how much of the device's history the cloud's text covers
+        self._prompt_len = 0  # where the answer starts in the device's history (a text session's rebuild)
         self.edge = edge
         self.sampling = sampling
         self.max_consecutive_timeouts = max_consecutive_timeouts  # then the cloud is lost for this answer
@@ -115,18 +108,12 @@ class CloudSession:
     @property
     def cloud_len(self) -> int:
         """How much of the device's history the cloud holds (text mode: covers with its text)."""
-        if self.link is not None and self.link.mode == "text":
-            return self._covered
-        return self.link.cloud_len if self.link is not None else 0
+        return self.link.held.covered if self.link is not None else 0
 
     @property
     def shared_history(self) -> str:
         """What the connected session shares: "tokens", "text", or "" (no cloud connected)."""
         return self.link.mode if self.link is not None else ""
-
-    @property
-    def text(self) -> bool:
-        return self.link is not None and self.link.mode == "text"
 
     @property
     def capabilities(self) -> list[str] | None:
@@ -141,19 +128,14 @@ class CloudSession:
         `history` reads the device's history, for a rebuild mid-answer."""
         assert self._connect is not None
         self._messages, self._history, self._reconnects_left = None, history, self.reconnects
-        self._prompt_len, self._covered = len(prompt), len(prompt)
+        self._prompt_len = len(prompt)
         try:
             if self.link is not None and not self.link.connected:
                 self.retire()  # closed after an interrupted stream, or lost
-            if self.link is not None and self.link.mode == "text" and self.link.messages != messages:
-                self.retire()  # text mode: each side renders the chat itself, so a new chat is a new session
             if self.link is not None:
                 try:
-                    if self.link.mode == "text":
-                        if self.link.held_text:
-                            self.link.text_rollback(0)  # the same chat answered again
-                    else:
-                        self.link.resync(prompt)
+                    if not self.link.held.reuse(prompt, messages):
+                        self.retire()  # text mode: each side renders the chat itself, so a new chat is a new session
                 except CloudUnavailable:  # gone between answers (a drain closes idle sessions): open anew
                     self.retire()
             if self.link is None:
@@ -166,6 +148,7 @@ class CloudSession:
                         self.sampling,
                         self.text_mode,
                         refuse_base_model=not self.allow_base_model,
+                        answer_text=self.answer_text,
                     )
                 finally:
                     self.link = link if link.connected else None
@@ -230,10 +213,9 @@ class CloudSession:
                 self.text_mode,
                 resume=True,
                 refuse_base_model=not self.allow_base_model,  # another replica may serve another model
+                answer_text=self.answer_text,
+                prompt_len=self._prompt_len,  # text mode: the rebuilt session holds the answer's text so far
             )
-            if link.mode == "text":  # the rebuilt session holds the answer's text so far
-                self.link, self._covered = link, self._prompt_len
-                self._text_sync(history)
         except BaseException:
             self.link = None
             link.close_quietly()
@@ -261,85 +243,54 @@ class CloudSession:
     # ---------------------------------------------------------------- requests
 
     def sync(self, history: list[int], end: int | None = None) -> None:
-        """Send the device tokens history[cloud_len:end] the cloud lacks (no reply awaited)."""
-        link = self.link
-        if link is None:
-            return
-        try:
-            if link.mode == "text":
-                self._text_sync(history[:end])
-            else:
-                link.sync(history[link.cloud_len : end])
-        except CloudUnavailable as exc:
-            self.lose(exc)
+        """Send what the cloud lacks of history[:end] (no reply awaited)."""
+        if self.link is not None:
+            try:
+                self.link.held.sync(history[:end])
+            except CloudUnavailable as exc:
+                self.lose(exc)
 
     def align(self, history: list[int]) -> None:
         """In a pool of tiers another tier may rewrite the device's history (a text tier re-tokenizes
-        the answer): roll this token session back to the prefix it shares with `history`, so what it
-        is sent next continues what it holds (Turn.align calls it after a rewrite). A text session
-        aligns by its text already."""
-        link = self.link
-        if link is None or link.mode == "text":
-            return
-        keep = common_prefix(link.held, history)
-        if keep < link.cloud_len:
+        the answer): bring what this session holds back to the prefix it shares with `history`, so
+        what it is sent next continues what it holds (Turn.align calls it after a rewrite)."""
+        if self.link is not None:
             try:
-                link.rollback(keep)
+                self.link.held.align(history)
             except CloudUnavailable as exc:
                 self.lose(exc)
 
     def resync(self, history: list[int]) -> None:
-        """Make the cloud hold `history` (a prefill ahead of time; not in text mode, where the
+        """Make the cloud hold `history` (a prefill ahead of time; nothing in text mode, where the
         answer text is shared, not the prompt)."""
-        if self.link is not None and self.link.connected and self.link.mode != "text":
+        if self.link is not None and self.link.connected:
             try:
-                self.link.resync(history)
+                self.link.held.prefill(history)
             except CloudUnavailable as exc:
                 self.lose(exc)
 
-    def ask(
-        self, history: list[int], proposed: int, hidden: np.ndarray, lookahead: bool, explore: bool = False
-    ) -> CloudToken | None:
-        """The cloud's token for the position after `history` (the device proposed `proposed`), or
-        None: the device writes it (a fallback). One round trip; a slow reply is abandoned.
-        `explore`: asked at random where the engine kept the device's token; the cloud may decline it
-        (counted in `explore_declined`; None)."""
-
-        def request(link: CloudLink) -> CloudToken | None:
-            got = link.generate(
-                history[link.cloud_len :],
-                proposed=proposed,
-                hidden=hidden,
-                max_tokens=1,
-                lookahead=lookahead,
-                explore=explore,
-            )
-            return got[0] if got else None
-
-        return self._declinable(request, history)
-
-    def _declinable(self, request: Callable[[CloudLink], T], history: list[int]) -> T | None:
-        """`_request`, where the cloud may decline an exploration (its key's budget spent): None."""
-        try:
-            return self._request(request, rebuild_at=history)
-        except CloudDeclined:
-            self.explore_declined += 1
-            return None
-
-    def _request(self, request: Callable[[CloudLink], T], rebuild_at: list[int] | None = None) -> T | None:
+    def request(self, request: Callable[[CloudLink], T], rebuild_at: list[int] | None = None) -> T | None:
         """`request` on the link, or None when the cloud could not answer. Where the link is lost,
         the session fails over (`lose`: rebuilt at `rebuild_at`, default the device's history) and the
         request is asked again on the new one: the reply lost with the old replica was never applied
         (the device applies only replies it has), so nothing is applied twice. A slow reply is not a
-        lost link: the request was rolled back and the device goes on (`_slow`)."""
+        lost link: the request was rolled back and the device goes on (and after `max_consecutive_timeouts`
+        in a row, gives the link up). An exploration the
+        cloud declines (its key's budget spent) is None too, counted in `explore_declined`."""
         asked_again, t0 = False, 0.0
         while (link := self.link) is not None:
             if asked_again:
                 t0 = time.perf_counter()
             try:
                 reply = request(link)
-            except CloudTimeout as exc:  # slow, not gone: the link rolled the request back
-                self._slow(link, exc)
+            except CloudTimeout as exc:  # slow, not gone: the link rolled the request back and stays
+                self.timeouts += 1
+                if link.consecutive_timeouts >= self.max_consecutive_timeouts:  # the next answer reconnects
+                    self.retire()
+                    self.last_error = str(exc)
+                return None
+            except CloudDeclined:
+                self.explore_declined += 1
                 return None
             except LinkErrors as exc:
                 self.lose(exc, rebuild_at)  # fails over while this answer has failovers left
@@ -352,175 +303,14 @@ class CloudSession:
             return reply
         return None
 
-    def _slow(self, link: CloudLink, exc: CloudTimeout) -> None:
-        """A request missed its deadline (the link rolled it back and stays): count it, and give
-        the link up after `max_consecutive_timeouts` in a row (the next answer reconnects)."""
-        self.timeouts += 1
-        if link.consecutive_timeouts >= self.max_consecutive_timeouts:
-            self.retire()
-            self.last_error = str(exc)
-
-    def guess(self, wait_s: float) -> Guess | None:
-        """The cloud's lookahead guess for this position, or None (late, none, or the cloud lost)."""
+    def read(self, read: Callable[[CloudLink], T]) -> T | None:
+        """`read` on the link (a message the cloud sends unasked, such as a lookahead guess), or None
+        when the link is down or lost while reading (never read again elsewhere: it is gone)."""
         link = self.link
         if link is None:
             return None
         try:
-            return link.next_guess(wait_s)
+            return read(link)
         except LinkErrors as exc:
             self.lose(exc)
             return None
-
-    def verify(
-        self,
-        history: list[int],
-        drafts: list[int],
-        check: list[int],
-        tolerance: float = 0.0,
-        bonus: bool = False,
-        hidden: np.ndarray | None = None,
-    ) -> Verdict | None:
-        """The cloud's verdict on `drafts` (after `history`, which it may partly lack), or None.
-        Tokens of `history` the cloud lacks are synced first, so only the drafts are judged and
-        the verdict's `accepted` counts from the first draft."""
-
-        def request(link: CloudLink) -> Verdict:
-            link.sync(history[link.cloud_len :])
-            return link.verify(drafts, check, bonus=bonus, tolerance=tolerance, hidden=hidden)
-
-        return self._request(request, rebuild_at=history)  # lost: the drafts stand unless a failover re-asks
-
-    # ---------------------------------------------------------------- text mode (protocol v3)
-
-    def _pending_text(self, history: list[int]) -> bytes:
-        """The answer text of `history` the cloud lacks, up to the last whole character. Where the
-        device's text departs from the cloud's (a rollback on the device), the cloud's is cut first."""
-        link = self.link
-        assert link is not None and self.answer_text is not None
-        answer = self.answer_text.text_of(history[self._prompt_len :])
-        if not answer.startswith(link.held_text):
-            keep = common_prefix(answer, link.held_text)
-            link.text_rollback(complete_utf8(answer[:keep]))
-        pending = answer[len(link.held_text) :]
-        return pending[: complete_utf8(pending)]
-
-    def _text_sync(self, history: list[int]) -> bool:
-        """Send the answer text the cloud lacks; True when it now holds all of `history`'s text."""
-        link = self.link
-        assert link is not None
-        link.text_sync(self._pending_text(history))
-        whole = self.answer_text is not None and len(link.held_text) == len(
-            self.answer_text.text_of(history[self._prompt_len :])
-        )
-        self._covered = len(history) if whole else max(self._covered, len(history) - 1)
-        return whole
-
-    def text_taken(self, history_len: int) -> None:
-        """The device took the cloud's text: its history (of `history_len`) is what the cloud holds."""
-        self._covered = history_len
-
-    def ask_text(
-        self, history: list[int], proposed: bytes, hidden: np.ndarray, lookahead: bool = False, explore: bool = False
-    ) -> CloudText | None:
-        """Text mode: the cloud's span for the position after `history` (its text joins the answer
-        on both sides), or None: the device writes the position (a fallback). None also where the
-        device's text ends inside a character (the cloud can only be asked on whole characters).
-        `lookahead`: ask for the cloud's guess for the next position with the span."""
-        assert self.answer_text is not None
-        answer = self.answer_text.text_of(history[self._prompt_len :])
-        if complete_utf8(answer) != len(answer):
-            return None
-
-        def request(link: CloudLink) -> CloudText:
-            pending = self._pending_text(history)
-            return link.text_generate(
-                pending, proposed=proposed, hidden=hidden, max_tokens=SPAN_TOKENS, lookahead=lookahead, explore=explore
-            )
-
-        return self._declinable(request, history)
-
-    def verify_text(
-        self,
-        history: list[int],
-        start: int,
-        flagged: list[bool],
-        tolerance: float,
-        eog: bool = False,
-        hidden: np.ndarray | None = None,
-    ) -> TextVerdict | None:
-        """Text mode, the cloud's check: the drafts history[start:] (their `flagged` by the router;
-        `eog`: the last one ends the answer) as text, with the flagged drafts' byte ranges. None:
-        the cloud could not answer (lost, slow, or no whole character drafted); the drafts stand.
-        The verdict's `byte_position + accepted_bytes` is where the kept answer text ends."""
-        view = self.answer_text
-        assert view is not None
-
-        def request(link: CloudLink) -> TextVerdict | None:
-            pending = self._pending_text(history)  # the text the cloud lacks, the drafts' included
-            position = len(link.held_text)
-            if not pending and not eog:
-                return None
-            answer = history[self._prompt_len :]
-            first = start - self._prompt_len
-            # each draft's bytes, from the cloud's end of text (the drafted text's start)
-            ends = [len(view.text_of(answer[:n])) - position for n in range(first, len(answer) + 1)]
-            ranges: list[tuple[int, int]] = []
-            rows: list[int] = []  # which flagged draft each range is (its hidden row)
-            for i, hard in enumerate(flagged):
-                lo, hi = max(0, ends[i]), min(ends[i + 1], len(pending))
-                if hard and lo < hi:
-                    ranges.append((lo, hi))
-                    rows.append(sum(flagged[:i]))
-            verdict = link.text_verify(
-                pending,
-                ranges,
-                tolerance,
-                eog=eog,
-                check_eog=eog and flagged[-1],
-                hidden=hidden[rows] if hidden is not None and rows else None,
-                max_tokens=SPAN_TOKENS,
-            )
-            if not verdict.text and len(link.held_text) == ends[-1] + position:
-                self._covered = len(history)  # the cloud holds all of it (else the text that follows)
-            return verdict
-
-        return self._request(request, rebuild_at=history[:start])  # a failover re-asks from before the drafts
-
-    def stream_text(self, history: list[int], max_tokens: int, on_text: Callable[[CloudText], bool]) -> bool:
-        """Text mode, policy cloud: the cloud writes up to `max_tokens` of its tokens after
-        `history`, streamed to `on_text` (False: stop listening). False when the cloud was lost.
-        After a failover the stream goes on from what the device took (the rest of `max_tokens`)."""
-        got = 0
-
-        def counted(piece: CloudText) -> bool:
-            nonlocal got
-            got += piece.n_tokens
-            return on_text(piece)
-
-        def request(link: CloudLink) -> bool:
-            now = history if got == 0 else self._history()
-            link.text_generate(self._pending_text(now), max_tokens=max_tokens - got, at_word=False, on_text=counted)
-            return True
-
-        return self._request(request) is not None
-
-    def stream(
-        self, history: list[int], max_tokens: int, on_token: Callable[[CloudToken], bool], proposed: int = -1
-    ) -> bool:
-        """The cloud writes up to `max_tokens` tokens after `history`, streamed to `on_token`
-        (which may return False to stop listening). False when the cloud was lost. After a
-        failover the stream goes on from what the device took (the rest of `max_tokens`)."""
-        got = 0
-
-        def counted(tok: CloudToken) -> bool:
-            nonlocal got
-            got += 1
-            return on_token(tok)
-
-        def request(link: CloudLink) -> bool:
-            now = history if got == 0 else self._history()
-            first = proposed if got == 0 else -1
-            link.generate(now[link.cloud_len :], proposed=first, max_tokens=max_tokens - got, on_token=counted)
-            return True
-
-        return self._request(request) is not None

@@ -376,7 +376,9 @@ class RoutedGenerator:
             return _STREAM
         if turn.rule.checking:
             return _CHECK
-        if turn.cloud.text:  # replay's span and verify strategies share tokens only (docs/protocol.md)
+        if (
+            turn.cloud.shared_history == "text"
+        ):  # replay's span and verify strategies share tokens only (docs/protocol.md)
             return PER_TOKEN_STRATEGIES["per-token"]
         return self._per_token
 

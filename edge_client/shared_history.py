@@ -12,20 +12,24 @@ everything that depends on the mode is here, one class per mode:
     check       the cloud's verdict on a drafted clause, applied (the check)
     stream      the cloud writes the rest of the answer (policy `cloud`)
 
-`history_of` picks the implementation from the session's accepted mode.
+Each class also speaks its mode's requests through the session (`CloudSession.request`:
+failover and deadlines are the session's; what the cloud holds is the link's `held`,
+edge_client/held_answer.py). `history_of` picks the implementation from the session's
+accepted mode.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
 from edge_client.answer import Route
-from edge_client.cloud_link import CloudText
+from edge_client.cloud_link import CloudLink, CloudText, CloudToken
 from edge_client.cloud_session import CloudSession
 from edge_client.turn import ClauseDraft, Turn
 from shared.decision import GuessJudge
+from shared.protocol import Verdict
 from shared.text_history import TokenView, complete_utf8, device_pieces
 
 
@@ -62,7 +66,8 @@ class TokenHistory:
     """Both sides hold the answer as the same tokens (protocol v1/v2, and v3's "tokens" mode)."""
 
     def guess(self, turn: Turn, cloud: CloudSession) -> GuessJudge | None:
-        return cloud.guess(turn.opts.lookahead_wait_s)
+        wait_s = turn.opts.lookahead_wait_s
+        return cloud.read(lambda link: link.tokens.next_guess(wait_s))
 
     def take_guess(self, turn: Turn, cloud: CloudSession, guess: GuessJudge) -> None:
         turn.write(guess.token, "cloud", None, lookahead=True)  # type: ignore[attr-defined]  # a token Guess
@@ -71,10 +76,17 @@ class TokenHistory:
         self, turn: Turn, cloud: CloudSession, proposed: int, hidden: np.ndarray, score: float | None, explore: bool
     ) -> bool:
         turn.align()  # another tier may have rewritten the device's history (a text tier re-tokenizes it)
-        got = cloud.ask(turn.decoder.history, proposed, hidden, lookahead=turn.opts.lookahead, explore=explore)
-        if got is None:
+        history, lookahead = turn.decoder.history, turn.opts.lookahead
+
+        def request(link: CloudLink) -> list[CloudToken]:
+            held = link.tokens
+            pending = history[held.covered :]
+            return held.generate(pending, proposed, hidden, max_tokens=1, lookahead=lookahead, explore=explore)
+
+        got = cloud.request(request, rebuild_at=history)
+        if not got:
             return False
-        turn.write(got.token, "cloud", score)
+        turn.write(got[0].token, "cloud", score)
         return True
 
     def check(self, turn: Turn, cloud: CloudSession, start: int, draft: ClauseDraft) -> None:
@@ -85,9 +97,7 @@ class TokenHistory:
         dec = turn.decoder
         drafts, flagged, scores = dec.history[start:], draft.flagged, draft.scores
         check = [i for i, f in enumerate(flagged) if f]
-        verdict = cloud.verify(
-            dec.history[:start], drafts, check, tolerance=turn.opts.check_nats, hidden=draft.hidden()
-        )
+        verdict = self.verify(cloud, dec.history[:start], drafts, check, turn.opts.check_nats, hidden=draft.hidden())
         release = turn.out.release
         if verdict is None:
             draft.release_unchecked(turn, drafts)
@@ -102,11 +112,54 @@ class TokenHistory:
         turn.policy.share_taken_elsewhere(turn.overruled.add(at + (verdict.token >= 0), overruled))
 
     def stream(self, turn: Turn, cloud: CloudSession) -> bool:
-        def take(tok) -> bool:
+        def take(tok: CloudToken) -> bool:
             turn.write(tok.token, "cloud", None)  # decoded lazily, only if the device must take over
             return not tok.eog and not turn.finished()
 
-        return cloud.stream(turn.decoder.history, turn.room(), take)
+        return self.stream_tokens(cloud, turn, turn.room(), take)
+
+    @staticmethod
+    def verify(
+        cloud: CloudSession,
+        history: list[int],
+        drafts: list[int],
+        check: list[int],
+        tolerance: float = 0.0,
+        bonus: bool = False,
+        hidden: np.ndarray | None = None,
+    ) -> Verdict | None:
+        """The cloud's verdict on `drafts` (after `history`, which it may partly lack), or None: the
+        drafts stand unless a failover re-asks. Tokens of `history` the cloud lacks are synced first,
+        so only the drafts are judged and the verdict's `accepted` counts from the first draft."""
+
+        def request(link: CloudLink) -> Verdict:
+            held = link.tokens
+            held.sync(history)
+            return held.verify(drafts, check, bonus=bonus, tolerance=tolerance, hidden=hidden)
+
+        return cloud.request(request, rebuild_at=history)
+
+    @staticmethod
+    def stream_tokens(
+        cloud: CloudSession, turn: Turn, max_tokens: int, on_token: Callable[[CloudToken], bool], proposed: int = -1
+    ) -> bool:
+        """The cloud writes up to `max_tokens` tokens after the device's history, streamed to `on_token`
+        (False: stop listening). False when the cloud was lost. After a failover the stream goes on
+        from what the device took (the rest of `max_tokens`)."""
+        got = 0
+
+        def counted(tok: CloudToken) -> bool:
+            nonlocal got
+            got += 1
+            return on_token(tok)
+
+        def request(link: CloudLink) -> bool:
+            held, history = link.tokens, turn.decoder.history
+            first = proposed if got == 0 else -1
+            held.generate(history[held.covered :], proposed=first, max_tokens=max_tokens - got, on_token=counted)
+            return True
+
+        return cloud.request(request) is not None
 
 
 class TextHistory:
@@ -134,9 +187,17 @@ class TextHistory:
     ) -> bool:
         """One `text_generate`; None back where the device's text ends inside a character (the cloud is
         asked on whole characters only) or a span of only a cut character brings nothing."""
-        got = cloud.ask_text(
-            turn.decoder.history, turn.model.token_bytes(proposed), hidden, turn.opts.lookahead, explore=explore
-        )
+        history, lookahead, proposed_text = turn.decoder.history, turn.opts.lookahead, turn.model.token_bytes(proposed)
+        link = cloud.link
+        if link is None or not link.text.whole_characters(history):
+            return False
+
+        def request(link: CloudLink) -> CloudText:
+            held = link.text
+            pending = held.pending(history)
+            return held.generate(pending, proposed_text, hidden, lookahead=lookahead, explore=explore)
+
+        got = cloud.request(request, rebuild_at=history)
         if got is None or not (got.text or got.eog):
             return False
         self.take_text(turn, cloud, got, score)
@@ -154,7 +215,11 @@ class TextHistory:
         flagged, scores = draft.flagged, draft.scores
         drafts = dec.history[start:]
         eog = turn.model.is_eog(drafts[-1])
-        verdict = cloud.verify_text(dec.history, start, flagged, turn.opts.check_nats, eog=eog, hidden=draft.hidden())
+        history, tolerance, hidden = dec.history, turn.opts.check_nats, draft.hidden()
+        verdict = cloud.request(  # a failover re-asks from before the drafts
+            lambda link: link.text.verify(history, start, flagged, tolerance, eog=eog, hidden=hidden),
+            rebuild_at=history[:start],
+        )
         release = turn.out.release
         if verdict is None:
             draft.release_unchecked(turn, drafts)
@@ -189,11 +254,22 @@ class TextHistory:
         turn.policy.share_taken_elsewhere(turn.overruled.add(j + n_cloud, overruled and n_cloud > 0))
 
     def stream(self, turn: Turn, cloud: CloudSession) -> bool:
-        def take(got: CloudText) -> bool:
-            self.take_text(turn, cloud, got, None)
+        """Up to the answer's room of the cloud's tokens, streamed. After a failover the stream goes on
+        from what the device took (the rest of the room)."""
+        max_tokens, got = turn.room(), 0
+
+        def take(piece: CloudText) -> bool:
+            nonlocal got
+            got += piece.n_tokens
+            self.take_text(turn, cloud, piece, None)
             return not turn.finished()
 
-        return cloud.stream_text(turn.decoder.history, turn.room(), take)
+        def request(link: CloudLink) -> bool:
+            held = link.text
+            held.generate(held.pending(turn.decoder.history), max_tokens=max_tokens - got, at_word=False, on_text=take)
+            return True
+
+        return cloud.request(request) is not None
 
     @staticmethod
     def take_text(
@@ -221,7 +297,8 @@ class TextHistory:
             turn.rewrote_history()
         dec.truncate(start + keep)
         dec.history.extend(add)  # decoded when next needed (the KV cache follows lazily)
-        cloud.text_taken(len(dec.history))
+        if cloud.link is not None:
+            cloud.link.text.taken(len(dec.history))
         for i, token in enumerate(pieces):
             turn.out.release(
                 token, route, score if i == 0 else None, overruled=overruled and i == 0, lookahead=lookahead
@@ -234,4 +311,4 @@ TEXT = TextHistory()
 
 def history_of(cloud: CloudSession) -> SharedHistory:
     """How `cloud`'s session shares the answer: as text (its accept said so), else as tokens."""
-    return TEXT if cloud.text else TOKENS
+    return TEXT if cloud.shared_history == "text" else TOKENS

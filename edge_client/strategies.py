@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from edge_client.cloud_session import CloudSession
-from edge_client.shared_history import history_of
+from edge_client.shared_history import TOKENS, history_of
 from edge_client.turn import Turn, draft_clause
 from shared.decision import Step
 from shared.decision_engine import CLOUD
@@ -143,7 +143,7 @@ class Span:
                 got.append(tok.token)
                 return not turn.stopped()
 
-            turn.cloud.stream(turn.decoder.history, min(turn.opts.span, turn.room()), take, proposed=proposed)
+            TOKENS.stream_tokens(turn.cloud, turn, min(turn.opts.span, turn.room()), take, proposed=proposed)
             if got:
                 return
         turn.write(proposed, "edge", score, fallback=hard and turn.cloud.configured)
@@ -187,7 +187,7 @@ class DraftVerify:
             return
         check = [f - flags[0] for f in flags]
         bonus = self.check_all and turn.room() > len(drafts) and not turn.model.is_eog(drafts[-1])
-        verdict = cloud.verify(dec.history[:held_from], drafts, check, bonus=bonus) if cloud.up else None
+        verdict = TOKENS.verify(cloud, dec.history[:held_from], drafts, check, bonus=bonus) if cloud.up else None
         keep = len(drafts) if verdict is None else verdict.accepted
         if verdict is not None:
             turn.settle(held_from, drafts, keep, verdict.token)

@@ -171,12 +171,12 @@ def bench_round_trip(edge: LlamaModel, n_hard: int) -> dict:
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL) as server:
         link = CloudLink(server.url, server.api_key, timeout_s=10)
         link.open(edge.info, PROMPT, prompt, SamplingParams(), "never")
-        link.generate([], hidden=hidden)  # warm-up (first decode allocates buffers)
+        link.tokens.generate([], hidden=hidden)  # warm-up (first decode allocates buffers)
         rtt, compute = [], []
         for _ in range(n_hard):
             before = link.stats.cloud_compute_ms
             t0 = time.perf_counter()
-            link.generate([], proposed=0, hidden=hidden, max_tokens=1)
+            link.tokens.generate([], proposed=0, hidden=hidden, max_tokens=1)
             rtt.append((time.perf_counter() - t0) * 1000.0)
             compute.append(link.stats.cloud_compute_ms - before)
         link.close()

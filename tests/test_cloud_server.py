@@ -63,7 +63,7 @@ def test_right_key_is_accepted_and_prompt_matches(cloud_server, edge_info):
         edge.close()
     link = CloudLink(cloud_server.url, cloud_server.api_key)
     accept = link.open(edge_info, chat("hi"), prompt, SamplingParams(), "never")
-    assert accept.n_prompt == len(prompt) and link.cloud_len == len(prompt)
+    assert accept.n_prompt == len(prompt) and link.held.covered == len(prompt)
     link.close()
 
 

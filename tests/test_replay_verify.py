@@ -126,15 +126,15 @@ def test_verify_over_the_wire(cloud_server, edge_info, cloud_info):
         prompt = edge.chat_tokens(msgs)
         link = CloudLink(cloud_server.url, cloud_server.api_key, timeout_s=10.0)
         link.open(edge_info, msgs, prompt, SamplingParams(), "never")
-        ref = [t.token for t in link.generate([], max_tokens=6)]
-        link.rollback(len(prompt))
-        v = link.verify(ref[:3] + [0], [0, 3], bonus=False)
+        ref = [t.token for t in link.tokens.generate([], max_tokens=6)]
+        link.tokens.rollback(len(prompt))
+        v = link.tokens.verify(ref[:3] + [0], [0, 3], bonus=False)
         assert v.accepted == 3 and v.token == ref[3]
-        assert link.cloud_len == len(prompt) + 4 and link.stats.round_trips == 2 and link.stats.cloud_compute_ms > 0
-        nxt = link.generate([], max_tokens=2)  # positions agree after the verdict
+        assert link.held.covered == len(prompt) + 4 and link.stats.round_trips == 2 and link.stats.cloud_compute_ms > 0
+        nxt = link.tokens.generate([], max_tokens=2)  # positions agree after the verdict
         assert [t.token for t in nxt] == ref[4:6]
-        link.held.pop()  # the device is off by one: a verify at the wrong position is refused
+        link.tokens.tokens.pop()  # the device is off by one: a verify at the wrong position is refused
         with pytest.raises(CloudError, match="out_of_order"):
-            link.verify([1], [0])
+            link.tokens.verify([1], [0])
     finally:
         edge.close()

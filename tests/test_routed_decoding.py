@@ -506,7 +506,7 @@ def test_prefill_ahead_of_time_is_exact_and_reaches_the_cloud(edge_model, same_m
             assert gen.prefill(partial) > 0
             assert gen.prefill(partial) == 0, "already cached: nothing to decode"
             if gen is routed:
-                assert gen.link is not None and gen.link.cloud_len == len(gen.decoder.history), (
+                assert gen.link is not None and gen.link.held.covered == len(gen.decoder.history), (
                     "the cloud holds the prefix too"
                 )
             else:
@@ -538,7 +538,7 @@ def test_complete_prefill_lets_the_answer_start_without_a_decode(edge_model, sam
         expected = edge_only.generate(question, max_tokens=MAX_TOKENS)
         routed.generate(chat("hello there"), max_tokens=4)  # the caches hold another prompt
         assert routed.prefill(question, complete=True) > 0
-        assert routed.decoder.history == prompt and routed.link is not None and routed.link.cloud_len == len(prompt)
+        assert routed.decoder.history == prompt and routed.link is not None and routed.link.held.covered == len(prompt)
         time.sleep(0.5)  # the cloud's prefill runs in the background
 
         calls = {"edge_decodes": 0}

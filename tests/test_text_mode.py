@@ -275,8 +275,8 @@ def test_a_proposed_token_that_is_part_of_a_character_is_asked_about_all_the_sam
     try:
         link.open(edge_info, chat("say hi"), [1, 2, 3], SamplingParams(), "auto")
         assert link.mode == "text"
-        got = link.text_generate(b"Hi", proposed="\U0001f600".encode()[:2], max_tokens=2)
-        assert (got.text or got.eog) and link.held_text.startswith(b"Hi")
+        got = link.text.generate(b"Hi", proposed="\U0001f600".encode()[:2], max_tokens=2)
+        assert (got.text or got.eog) and link.text.text.startswith(b"Hi")
     finally:
         link.close()
 

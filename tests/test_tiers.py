@@ -61,7 +61,7 @@ def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
         answers = [gen.generate(chat(q), max_tokens=32) for q in LONG_QUESTIONS[:2]]
         link = gen.cloud.link
         assert link is not None and link.mode == "tokens"
-        assert link.held == gen.decoder.history[: len(link.held)], "the cloud holds a prefix of the device's history"
+        assert link.tokens.tokens == gen.decoder.history[: link.held.covered], "the cloud holds a prefix of the device's history"
         assert gen.tiers[0].link is not None and gen.tiers[0].link.mode == "text"
     finally:
         gen.close()
@@ -285,7 +285,7 @@ def test_a_text_tiers_rewrite_rolls_the_token_cloud_back(edge_model, cloud_serve
         TEXT.take_text(turn, top, CloudText(b"ld! How", 3, -1.0, False), 0.9)
         assert gen.decoder.history == prompt + gen.answer_text.tokens(b"Hello world! How")
         turn.sync_eagerly()
-        assert gen.cloud.link is not None and gen.cloud.link.held == gen.decoder.history
+        assert gen.cloud.link is not None and gen.cloud.link.tokens.tokens == gen.decoder.history
     finally:
         gen.close()
 
