@@ -86,7 +86,7 @@ class Signals:
         self.gen = RoutedGenerator(self.model, opts, None)
 
     def at(self, frames: list[np.ndarray], voiced: list[bool], k: int) -> dict:
-        gap = max(1, int(AsrOptions().max_gap_ms / 1000 / FRAME_S))  # as VoicePipeline._asr_audio
+        gap = max(1, int(AsrOptions().max_gap_ms / 1000 / FRAME_S))  # as the pipeline's DecodeScheduler.audio
         t0 = time.perf_counter()
         rec = self.tx.recognize(close_gaps(frames[:k], voiced[:k], gap), final=True)
         t1 = time.perf_counter()

@@ -293,7 +293,7 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
             pipe.sink.buffer.played < engines.synth.rate * 1.5 and time.monotonic() < deadline
         ):  # 1.5 s of reply played
             time.sleep(0.02)
-        assert pipe._playing is not None, "the reply finished before the interruption"
+        assert pipe.state.playing is not None, "the reply finished before the interruption"
         t_play = time.monotonic()
         dev.play_into_mic(q2).wait(timeout=20)
         th.join(timeout=40)

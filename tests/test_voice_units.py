@@ -505,19 +505,19 @@ def test_a_dropped_speculation_leaves_no_stage_marks_behind():
     cancelled turn's late marks must not reach them, or asr_final would follow llm_first_token."""
     from types import SimpleNamespace
 
-    from edge_client.voice.pipeline import VoicePipeline, _Utterance
+    from edge_client.voice.state import Utterance
     from edge_client.voice.timings import TurnTimings
 
     cancelled = []
     spec = SimpleNamespace(cancel=lambda: cancelled.append(True))
-    u = _Utterance(
+    u = Utterance(
         TurnTimings(speech_start=1.0, asr_final=2.0, llm_first_token=2.1),
         spec_voiced_t=1.9,
         spec_text="hi",
         spec_turn=spec,
     )
     old = u.timings
-    VoicePipeline._drop_speculation(SimpleNamespace(_utt=u))
+    u.drop_speculation()
     assert cancelled == [True] and u.spec_turn is None and u.spec_voiced_t is None
     assert u.timings is not old and u.timings.speech_start == 1.0
     assert u.timings.asr_final is None and u.timings.llm_first_token is None
@@ -534,7 +534,8 @@ def _turn_with_fakes(synth_low_water_s: float, drained: bool) -> tuple[list[tupl
 
     from edge_client.answer import Answer, TokenEvent
     from edge_client.voice.audio_io import PlaybackBuffer
-    from edge_client.voice.pipeline import Turn, VoiceOptions
+    from edge_client.voice.pipeline import VoiceOptions
+    from edge_client.voice.reply import ReplyContext, Turn
     from edge_client.voice.timings import TurnTimings
 
     words = "I'm sorry, but I can not do that for you right now. It is late, and I am tired of it all.".split()
@@ -566,19 +567,18 @@ def _turn_with_fakes(synth_low_water_s: float, drained: bool) -> tuple[list[tupl
             buffer.flush()
         return len(audio)
 
-    p = SimpleNamespace(
+    ctx = ReplyContext(
         opts=VoiceOptions(synth_low_water_s=synth_low_water_s),
         sink=SimpleNamespace(buffer=buffer, rate=16000, source_rate=16000, put=put),
-        engines=SimpleNamespace(
-            gen=SimpleNamespace(generate=generate),
-            synth=SimpleNamespace(chunks=chunks, is_cached=lambda piece: False),
-        ),
-        dialogue=SimpleNamespace(messages=lambda text: []),
-        is_live=lambda turn: True,
+        gen=SimpleNamespace(generate=generate),
+        synth=SimpleNamespace(chunks=chunks, is_cached=lambda piece: False),
+        messages=lambda text: [],
         emit=lambda ev: None,
-        first_clause_synthesised=lambda turn: None,
+        is_live=lambda turn: True,
+        on_first_clause=lambda turn: None,
+        on_wasted_draft=lambda answer: None,
     )
-    turn = Turn(p, "hi", TurnTimings(), held=False)
+    turn = Turn(ctx, "hi", TurnTimings(), held=False)
     turn.join()
     assert turn.synth_done.is_set()
     return seen, turn.timings.pieces
@@ -853,7 +853,9 @@ def test_long_pauses_are_shortened_for_recognition():
 def test_a_draft_is_taken_only_when_the_final_transcript_has_its_words():
     from types import SimpleNamespace
 
-    from edge_client.voice.pipeline import VoicePipeline, _Utterance, same_words
+    from edge_client.voice.drafts import Drafts, same_words
+    from edge_client.voice.pipeline import VoiceOptions
+    from edge_client.voice.state import PipelineState, Utterance
     from edge_client.voice.timings import TurnTimings
 
     assert same_words("What is the capital city of France?", "what is the capital city of france")
@@ -874,10 +876,11 @@ def test_a_draft_is_taken_only_when_the_final_transcript_has_its_words():
         def cancel(self):
             self.cancelled = True
 
+    drafts = Drafts(PipelineState(), VoiceOptions(prefill_partials=False), reply=None)  # no prefill: no model
     for final, hit in (("What is the capital city of France?", True), ("What is the capital city of Spain?", False)):
         d = FakeDraft("what is the capital city of France")
-        u = _Utterance(TurnTimings(), draft=d)
-        got = VoicePipeline._take_draft(None, u, final)
+        u = Utterance(TurnTimings(), draft=d)
+        got = drafts.take_draft(u, final)
         assert (got is d) is hit and u.draft is None and u.draft_outcome == ("hit" if hit else "miss")
         assert (d.adopted == (final, u.timings)) if hit else (d.cancelled and d.adopted is None)
 

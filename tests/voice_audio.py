@@ -284,7 +284,7 @@ def without_fillers(text: str) -> str:
 
 
 def replay_vad(audio: np.ndarray, vad_opts: VadOptions) -> tuple[list[np.ndarray], list[bool], list[dict]]:
-    """The VAD run over `audio` frame by frame as VoicePipeline._on_vad_frame runs it, with no endpoint:
+    """The VAD run over `audio` frame by frame as the pipeline's Listener._on_vad_frame runs it, with no endpoint:
     the utterance's frames (the pre-roll first), their voiced flags, and each pause (`frames`: the frames
     up to its first silent one, what the speculative final decode gets; `ms`: its length; `resumed`:
     speech came again after it)."""

@@ -11,7 +11,14 @@ Modules, one responsibility each:
   dialogue    bounded conversation history
   timings     per-turn stage timestamps
   events      typed events the pipeline emits (an interruption is an event)
-  pipeline    the orchestrator tying the stages together
+  options     the pipeline's options; engines: the models it drives, loaded once
+  state       what the pipeline's stages share (the utterance, the reply playing), under one lock
+  listener    stage: frames -> VAD -> the utterance; decodes: its Whisper jobs
+  drafts      stage: prefill or a drafted reply from partial transcripts
+  endpointing stage: each pause judged, the endpoint
+  speaking    stage: the reply starts, plays, ends; barge-in
+  reply       one answer (`Turn`): generation -> clauses -> Piper -> playback
+  pipeline    the coordinator wiring the stages (VoicePipeline)
   app         the rich terminal UI of `tokenrouter-edge listen`
   cli         subcommands `devices`, `listen`, `file`
 """

@@ -129,6 +129,26 @@ class Playback(Protocol):
         ...
 
 
+class Sink(Protocol):
+    """Where the pipeline sends a reply's audio (at the synthesiser's `source_rate`): a speaker, a file, a page."""
+
+    buffer: Playback
+    rate: int
+    source_rate: int
+
+    def put(self, audio: np.ndarray) -> int: ...
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    """Where the pipeline's `Frame`s come from: a microphone, a file, a page."""
+
+    def frames(self, stop: threading.Event): ...
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class PlaybackBuffer:
     """Queue of audio the speaker drains; shared by the device callback and the file pacer.
 
