@@ -11,6 +11,7 @@ Modules, one responsibility each:
   dialogue    bounded conversation history
   timings     per-turn stage timestamps
   events      typed events the pipeline emits (an interruption is an event)
+  turn_record a finished turn as one JSON record (`file --json`, the web app's page)
   pipeline    the orchestrator tying the stages together
   app         the rich terminal UI of `tokenrouter-edge listen`
   cli         subcommands `devices`, `listen`, `file`
