@@ -43,19 +43,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_webapp_browser import chromium, pulse_env  # noqa: E402
+from test_webapp_browser import chromium, pulse_env, served_app  # noqa: E402
 from voice_audio import speech_span, spoken_wav, virtual_devices, wer  # noqa: E402
 
-from edge_client.options import GeneratorOptions  # noqa: E402
 from edge_client.voice.audio_io import PIPELINE_RATE  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.pipeline import VoiceOptions  # noqa: E402
+from edge_client.voice.turn_record import turn_json  # noqa: E402
 from edge_client.voice.wavfile import read_wav, write_wav  # noqa: E402
 from edge_client.webapp.bridge import BrowserMicrophone  # noqa: E402
-from edge_client.webapp.conversation import turn_json  # noqa: E402
 from edge_client.webapp.core import AppCore  # noqa: E402
 from edge_client.webapp.server import AppServer  # noqa: E402
-from edge_client.webapp.settings import SettingsStore  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
 
@@ -199,9 +197,7 @@ def page_turn(
     if not ok:
         return None
     t = done[0]
-    obj = turn_json(t, core.settings)
-    obj["timings_ms"] = obj.pop("timings")
-    obj["end_of_speech_to_first_audio_ms"] = obj.pop("eos_to_first_audio_ms")
+    obj = turn_json(t)
     fa = t.timings.first_audio_out
     obj["played_eos_to_first_audio_ms"] = (
         None if fa is None or t_play is None else round((fa - t_play - eos_offset) * 1000, 1)
@@ -226,7 +222,7 @@ def page_turn(
     return obj
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--data", default=str(DATA))
@@ -248,30 +244,48 @@ def main() -> None:
         help="no run: page minus file pooled over the rows of earlier runs' --out files (a single run of 30 "
         "scatters by tens of ms), with a bootstrap interval for the paired median",
     )
-    args = ap.parse_args()
-    if args.pool:
-        return pool(args.pool)
-    val = json.load(open(args.data))["val"]
-    step = max(1, len(val) // args.n)
-    queries = [val[i * step][0] for i in range(args.n)]
+    return ap
+
+
+def file_turn(core: AppCore, wav: Path, out: Path, eos_offset: float) -> dict:
+    """One query through `run_file_turn` on the app's own engines, from the WAV's true end of speech too."""
+    obj = run_file_turn(
+        core.gen, str(wav), str(out), VoiceOptions(), realtime=True, engines=core.engines, reply_limit_s=0.0
+    )
+    fa = obj.get("input_first_audio_s")
+    obj["true_eos_to_first_audio_ms"] = None if fa is None else round((fa - eos_offset) * 1000, 1)
+    return obj
+
+
+def row_line(i: int, arm: str, obj: dict) -> str:
+    """The progress line of one arm's turn (the page's with what only it measures)."""
+    extra = ""
+    if arm == "page":
+        extra = (
+            f"  (frame lateness p50/p95 {obj['frame_lateness_ms']['p50']}/{obj['frame_lateness_ms']['p95']} ms,"
+            f" sent -> played {obj['sent_to_played_ms']} ms"
+        )
+        if obj.get("alignment") is not None:
+            extra += f", alignment {obj['alignment']}"
+        if obj.get("played_eos_to_first_audio_ms") is not None:
+            extra += f", played into the mic -> audio {obj['played_eos_to_first_audio_ms']} ms"
+        extra += ")"
+    return (
+        f"{i:2d} {arm:4s} eos->audio {obj['end_of_speech_to_first_audio_ms']} ms"
+        f" (true end {obj['true_eos_to_first_audio_ms']} ms){extra}"
+        f"  wer {obj['wer']:.2f}  {obj['transcript']!r}"
+    )
+
+
+def run_arms(args: argparse.Namespace, queries: list[str]) -> dict[str, list[dict]]:
+    """Every query through both arms, alternating which goes first: the rows per arm."""
     tmp = Path(tempfile.mkdtemp(prefix="app-bench-"))
     rows: dict[str, list[dict]] = {"file": [], "page": []}
     record_capture()
     with contextlib.ExitStack() as stack:
         dev = stack.enter_context(virtual_devices()) if args.mic == "pulse" else None
         env = pulse_env(dev) if dev is not None else None
-        core = AppCore(
-            GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0),
-            VoiceOptions(),
-            SettingsStore(tmp / "app.json"),
-            reply_limit_s=0.0,
-        )
-        srv = AppServer(core, port=0)
-        srv.start()
-        stack.callback(core.close)
-        stack.callback(srv.stop)
-        core.load()
-        assert core.load_error is None, core.load_error
+        core, srv = served_app(stack, tmp / "app.json", reply_limit_s=0.0)  # each turn stops at first audio
         done: list = []
         got = threading.Event()
         core.turn_listeners.append(lambda t: (done.append(t), got.set()))
@@ -281,17 +295,7 @@ def main() -> None:
             eos_offset = speech_span(*read_wav(wav))[1]
             for arm in ("file", "page") if i % 2 == 0 else ("page", "file"):
                 if arm == "file":
-                    obj = run_file_turn(
-                        core.gen,
-                        str(wav),
-                        str(tmp / f"r{i}.wav"),
-                        VoiceOptions(),
-                        realtime=True,
-                        engines=core.engines,
-                        reply_limit_s=0.0,
-                    )
-                    fa = obj.get("input_first_audio_s")
-                    obj["true_eos_to_first_audio_ms"] = None if fa is None else round((fa - eos_offset) * 1000, 1)
+                    obj = file_turn(core, wav, tmp / f"r{i}.wav", eos_offset)
                 else:
                     core.dialogue.reset()
                     got.clear()
@@ -302,23 +306,13 @@ def main() -> None:
                 obj["wer"] = wer(q, obj["transcript"])
                 obj["query"] = q
                 rows[arm].append(obj)
-                extra = ""
-                if arm == "page":
-                    extra = (
-                        f"  (frame lateness p50/p95 {obj['frame_lateness_ms']['p50']}/{obj['frame_lateness_ms']['p95']} ms,"
-                        f" sent -> played {obj['sent_to_played_ms']} ms"
-                    )
-                    if obj.get("alignment") is not None:
-                        extra += f", alignment {obj['alignment']}"
-                    if obj.get("played_eos_to_first_audio_ms") is not None:
-                        extra += f", played into the mic -> audio {obj['played_eos_to_first_audio_ms']} ms"
-                    extra += ")"
-                print(
-                    f"{i:2d} {arm:4s} eos->audio {obj['end_of_speech_to_first_audio_ms']} ms"
-                    f" (true end {obj['true_eos_to_first_audio_ms']} ms){extra}"
-                    f"  wer {obj['wer']:.2f}  {obj['transcript']!r}",
-                    flush=True,
-                )
+                print(row_line(i, arm, obj), flush=True)
+    return rows
+
+
+def page_summary(rows: dict[str, list[dict]]) -> dict:
+    """The page arm's summary: the file arm's measures, the stages' paired differences from the file arm,
+    and what only the page has (frame lateness, sent -> played, the browser's output latency, alignment)."""
     page = summary(rows["page"])
     if any(r.get("played_eos_to_first_audio_ms") is not None for r in rows["page"]):
         page["played_into_mic_to_first_audio_ms"] = summary(rows["page"], "played_eos_to_first_audio_ms")[
@@ -348,12 +342,18 @@ def main() -> None:
         [r["browser_chunk_to_played_ms"] for r in rows["page"] if r["browser_chunk_to_played_ms"] is not None], 50
     )
     page["output_latency_ms_p50"] = pct([r["output_latency_ms"] for r in rows["page"]], 50)
-    file = summary(rows["file"])
-    file["true_eos_to_first_audio_ms"] = summary(rows["file"], "true_eos_to_first_audio_ms")["eos_to_first_audio_ms"]
     page["true_eos_to_first_audio_ms"] = summary(rows["page"], "true_eos_to_first_audio_ms")["eos_to_first_audio_ms"]
     page["alignment_min"] = min((r["alignment"] for r in rows["page"] if r.get("alignment") is not None), default=None)
+    return page
+
+
+def report(rows: dict[str, list[dict]]) -> dict:
+    """Both arms' summaries and page minus file, from the true end of speech and from the pipeline's."""
+    page = page_summary(rows)
+    file = summary(rows["file"])
+    file["true_eos_to_first_audio_ms"] = summary(rows["file"], "true_eos_to_first_audio_ms")["eos_to_first_audio_ms"]
     true_end = page_minus_file(rows, "true_eos_to_first_audio_ms")
-    result = {
+    return {
         "command": " ".join(["python", "scripts/bench_app.py", *sys.argv[1:]]),
         "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, {platform.platform()}",
         "file": file,
@@ -365,6 +365,15 @@ def main() -> None:
         "goal_within_60ms": true_end["p50_difference"] is not None and true_end["p50_difference"] <= 60,
         "rows": rows,
     }
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.pool:
+        return pool(args.pool)
+    val = json.load(open(args.data))["val"]
+    step = max(1, len(val) // args.n)
+    result = report(run_arms(args, [val[i * step][0] for i in range(args.n)]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))

@@ -33,15 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_webapp_browser import chromium, pulse_env, ready  # noqa: E402
+from test_webapp_browser import chromium, pulse_env, ready, served_app  # noqa: E402
 from voice_audio import spoken_wav, virtual_devices, wer  # noqa: E402
 
-from edge_client.options import GeneratorOptions  # noqa: E402
 from edge_client.voice.events import Interruption, ReplyHeld  # noqa: E402
-from edge_client.voice.pipeline import VoiceOptions  # noqa: E402
 from edge_client.webapp.core import AppCore  # noqa: E402
 from edge_client.webapp.server import AppServer  # noqa: E402
-from edge_client.webapp.settings import SettingsStore  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
 
@@ -104,17 +101,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         dev = stack.enter_context(virtual_devices())
         env = pulse_env(dev, room=True)
-        core = AppCore(
-            GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0),
-            VoiceOptions(),
-            SettingsStore(tmp / "app.json"),
-        )
-        srv = AppServer(core, port=0)
-        srv.start()
-        stack.callback(core.close)
-        stack.callback(srv.stop)
-        core.load()
-        assert core.load_error is None, core.load_error
+        core, srv = served_app(stack, tmp / "app.json")
         d = stack.enter_context(chromium("about:blank", env=env, fake_mic=False))
         for arm, n in (("on", args.n), ("off", args.n_off)):
             core.apply({"echo_cancellation": arm == "on"})

@@ -16,7 +16,7 @@ Piper samples its prosody, so each run speaks every query anew and only paired, 
 compare; `--same-speech` speaks them without sampling (the same audio in every run). Each turn stops
 once its first audio is out (the rest of the reply is not played); with
 `--reply-s S` it plays the first S seconds of each reply and also reports the playback gaps (where
-synthesis fell behind playback, so the person heard silence inside the reply); each turn's `pieces`
+synthesis fell behind playback, so the person heard silence inside the reply); each turn's `speech_pieces`
 say where (per piece: words, audio queued ahead when its synthesis began, synthesis time, token wait).
 `--busy-cores N` runs N processes spinning a Python loop for the whole run (other work on the cores,
 as in the desktop app); the report's `busy_cores` says whether they ran to the end and what share
@@ -74,7 +74,7 @@ from edge_client.options import DEFAULT_CHECK, GeneratorOptions  # noqa: E402
 from edge_client.voice.asr import AsrOptions, Transcriber  # noqa: E402
 from edge_client.voice.cli import run_file_turn  # noqa: E402
 from edge_client.voice.endofturn import JUDGE_AT, TurnDecision, TurnOptions  # noqa: E402
-from edge_client.voice.pipeline import Engines, VoiceOptions  # noqa: E402
+from edge_client.voice.pipeline import Engines, VoiceGenerator, VoiceOptions  # noqa: E402
 from edge_client.voice.tts import Synthesizer, TtsOptions  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
 from edge_client.voice.wavfile import read_wav  # noqa: E402
@@ -88,8 +88,21 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs), q)) if xs else float("nan")
 
 
+WHOLE_RUN = ("policy", "cloud_cpus", "device_cpus", "busy_cores")  # options of the run, never of one --compare side
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
+    add_run_options(ap)
+    add_answer_options(ap)
+    add_speech_options(ap)
+    add_turn_options(ap)
+    add_machine_options(ap)
+    return ap
+
+
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """What is measured: which queries, the A/B comparison, the offline studies, where the report goes."""
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=str(ROOT / "build" / "voice_bench.json"))
@@ -101,6 +114,33 @@ def build_parser() -> argparse.ArgumentParser:
         "alternating which goes first; "
         "reports both and the per-query difference",
     )
+    ap.add_argument(
+        "--pauses",
+        action="store_true",
+        help='queries with mid-utterance pauses and the fluent ones; B defaults to --compare="--turn-mode silence"',
+    )
+    ap.add_argument("--seed", type=int, default=0, help="picks the pause queries, their pauses and fillers")
+    ap.add_argument(
+        "--same-speech",
+        action="store_true",
+        help="speak the queries without Piper's prosody sampling: every run hears the same audio, so runs "
+        "compare across sessions (flatter prosody than the default, which speaks every query anew)",
+    )
+    ap.add_argument(
+        "--recognition", action="store_true", help="offline vs streaming-final WER only (no language model)"
+    )
+    ap.add_argument("--whisper-dir", default=None, help="with --recognition: also this CTranslate2 Whisper directory")
+    ap.add_argument(
+        "--turn-study",
+        action="store_true",
+        help="no language model: the end-of-turn judge replayed at every pause, transcript cue with and without "
+        "Whisper's word probability (seeds --seed.. --seed+k-1 for --n paused queries each)",
+    )
+    ap.add_argument("--seeds", type=int, default=1, help="with --turn-study: how many seeds of --n paused queries")
+
+
+def add_answer_options(ap: argparse.ArgumentParser) -> None:
+    """How the answer starts early: recognition, speculation and prefill from partial transcripts, the cloud."""
     ap.add_argument("--no-speculative", action="store_true")
     ap.add_argument("--no-prefill", action="store_true", help="do not prefill the prompt from partial transcripts")
     ap.add_argument(
@@ -112,6 +152,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-priority", action="store_true", help="let generation run while the first clause is synthesised"
     )
     ap.add_argument("--speculate-after-ms", type=int, default=None)
+    ap.add_argument("--stop-delay-ms", type=int, default=None)
+    ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
+    ap.add_argument(
+        "--check",
+        nargs="?",
+        const="all",
+        default=DEFAULT_CHECK,
+        choices=CHECK_MODES,
+        help="the cloud's check (default: the generator's): one verify per clause, tokens spoken only once checked",
+    )
+    ap.add_argument(
+        "--asr-threads",
+        type=int,
+        default=None,
+        help="CTranslate2 threads for Whisper",
+    )
+    ap.add_argument(
+        "--blas-threads", type=int, default=None, help="numpy's BLAS threads (0: the library's default, one per core)"
+    )
+    ap.add_argument("--draft", action="store_true", help="draft the reply from partial transcripts")
+    ap.add_argument("--partial-interval-ms", type=int, default=None)
+
+
+def add_speech_options(ap: argparse.ArgumentParser) -> None:
+    """How the reply is spoken: Piper, the pieces it is cut into, how much of it plays."""
     ap.add_argument("--tts-spin", action="store_true", help="let Piper's onnxruntime threads busy-wait (its default)")
     ap.add_argument("--first-max-words", type=int, default=None)
     ap.add_argument(
@@ -137,34 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="play this many seconds of each reply (0: stop at its first audio) and report the playback gaps",
     )
-    ap.add_argument("--stop-delay-ms", type=int, default=None)
-    ap.add_argument("--no-lookahead", action="store_true", help="do not use the cloud's guess after each cloud token")
-    ap.add_argument(
-        "--check",
-        nargs="?",
-        const="all",
-        default=DEFAULT_CHECK,
-        choices=CHECK_MODES,
-        help="the cloud's check (default: the generator's): one verify per clause, tokens spoken only once checked",
-    )
-    ap.add_argument(
-        "--asr-threads",
-        type=int,
-        default=None,
-        help="CTranslate2 threads for Whisper",
-    )
-    ap.add_argument(
-        "--pauses",
-        action="store_true",
-        help='queries with mid-utterance pauses and the fluent ones; B defaults to --compare="--turn-mode silence"',
-    )
-    ap.add_argument("--seed", type=int, default=0, help="picks the pause queries, their pauses and fillers")
-    ap.add_argument(
-        "--same-speech",
-        action="store_true",
-        help="speak the queries without Piper's prosody sampling: every run hears the same audio, so runs "
-        "compare across sessions (flatter prosody than the default, which speaks every query anew)",
-    )
+
+
+def add_turn_options(ap: argparse.ArgumentParser) -> None:
+    """The end-of-turn judge: its mode, waits and signals."""
     ap.add_argument("--turn-mode", choices=("smart", "silence"), default=None)
     ap.add_argument("--min-wait-ms", type=int, default=None)
     ap.add_argument("--max-wait-ms", type=int, default=None)
@@ -192,10 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a transcript ending on ? with its last word at least this sure ends the turn without Smart Turn "
         "(1: always ask Smart Turn)",
     )
-    ap.add_argument(
-        "--blas-threads", type=int, default=None, help="numpy's BLAS threads (0: the library's default, one per core)"
-    )
-    ap.add_argument("--draft", action="store_true", help="draft the reply from partial transcripts")
+
+
+def add_machine_options(ap: argparse.ArgumentParser) -> None:
+    """Where the run happens and what else runs beside it (WHOLE_RUN: never a --compare flag)."""
     ap.add_argument(
         "--device-cpus",
         metavar="LIST",
@@ -212,18 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="edge: the device model answers alone and no cloud server runs (a diagnosis: what the cloud's "
         "work costs the chain on these cores); for the whole run, not a --compare flag",
     )
-    ap.add_argument("--partial-interval-ms", type=int, default=None)
-    ap.add_argument(
-        "--recognition", action="store_true", help="offline vs streaming-final WER only (no language model)"
-    )
-    ap.add_argument("--whisper-dir", default=None, help="with --recognition: also this CTranslate2 Whisper directory")
-    ap.add_argument(
-        "--turn-study",
-        action="store_true",
-        help="no language model: the end-of-turn judge replayed at every pause, transcript cue with and without "
-        "Whisper's word probability (seeds --seed.. --seed+k-1 for --n paused queries each)",
-    )
-    ap.add_argument("--seeds", type=int, default=1, help="with --turn-study: how many seeds of --n paused queries")
     ap.add_argument(
         "--busy-cores",
         type=int,
@@ -232,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
         "app's browser or other work does), for the whole run; the report says so (for the whole run, not a "
         "--compare flag)",
     )
-    return ap
 
 
 BUSY_LOOP = "while True:\n    pass\n"
@@ -371,8 +399,14 @@ def summarise(rows: list[dict], vopts: VoiceOptions) -> dict:
         },
         "first_piece_cached_pct": 100 * float(np.mean([bool(r["first_piece_cached"]) for r in rows])),
         "wer_mean": float(np.mean([r["wer"] for r in rows])),
-        "cloud_token_share": float(sum(r["n_cloud_tokens"] for r in rows) / max(1, sum(r["n_tokens"] for r in rows))),
+        "cloud_token_share": cloud_token_share([r["answer"] for r in rows]),
     }
+
+
+def cloud_token_share(answers: list[dict | None]) -> float:
+    """The cloud's share of all the answers' tokens (a turn with no answer counts none)."""
+    answers = [a for a in answers if a is not None]
+    return float(sum(a["n_cloud_tokens"] for a in answers) / max(1, sum(a["n_tokens"] for a in answers)))
 
 
 def offline_transcript(tx: Transcriber, audio: np.ndarray) -> str:
@@ -400,10 +434,7 @@ def recognition(args: argparse.Namespace, data: dict) -> None:
     models = {"tiny.en": Transcriber(AsrOptions()), "tiny.en, no lead silence": Transcriber(AsrOptions(lead_s=0.0))}
     if args.whisper_dir:
         models[Path(args.whisper_dir).name] = Transcriber(AsrOptions(model_dir=args.whisper_dir))
-    val = data["val"]
-    step = max(1, len(val) // args.n)
-    items = [("fluent", val[i * step][0], val[i * step][0], {}) for i in range(args.n)]
-    items += [("pauses", q, text, p) for q, text, p in pause_set(data, args.n, args.seed)]
+    items = query_items(data, args.n, args.seed, pauses=True)
     tmp = Path(tempfile.mkdtemp(prefix="voice-asr-"))
     out: dict = {"command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]), "models": {}}
     rows: list[dict] = []
@@ -574,35 +605,35 @@ def turn_taking(rows: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    ap = build_parser()
-    args = ap.parse_args()
+def ab_configs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[tuple], str | None]:
+    """The configs to run, (name, voice options, generation flags): "a" from the command line, and "b" with
+    the --compare flags on top (with --pauses, silence-only turns by default); and those flags."""
     configs = [("a", voice_options(args), generation_flags(args))]
     compare = args.compare or ("--turn-mode silence" if args.pauses else None)
     if compare:
         args_b = ap.parse_args(sys.argv[1:] + compare.split())
-        whole_run = ("policy", "cloud_cpus", "device_cpus", "busy_cores")
-        if any(getattr(args_b, k) != getattr(args, k) for k in whole_run):
+        if any(getattr(args_b, k) != getattr(args, k) for k in WHOLE_RUN):
             ap.error(
                 "--policy, --cloud-cpus, --device-cpus and --busy-cores apply to the whole run: give them outside --compare"
             )
         configs.append(("b", voice_options(args_b), generation_flags(args_b)))
-    data = json.load(open(args.data))
-    if args.recognition:
-        return recognition(args, data)
-    if args.turn_study:
-        return turn_study(args, data)
+    return configs, compare
+
+
+def query_items(data: dict, n: int, seed: int, pauses: bool) -> list[tuple[str, str, str, dict[int, int]]]:
+    """(set, query, text spoken, pauses): n fluent val queries, then with `pauses` n paused ones."""
     val = data["val"]
-    step = max(1, len(val) // args.n)
-    # (set, query, text spoken, pauses): the fluent val queries, then with --pauses the paused ones
-    items = [("fluent", val[i * step][0], val[i * step][0], {}) for i in range(args.n)]
-    if args.pauses:
-        items += [("pauses", q, text, p) for q, text, p in pause_set(data, args.n, args.seed)]
-    rows: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
-    tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
-    first = configs[0][1]
+    step = max(1, len(val) // n)
+    items = [("fluent", val[i * step][0], val[i * step][0], {}) for i in range(n)]
+    if pauses:
+        items += [("pauses", q, text, p) for q, text, p in pause_set(data, n, seed)]
+    return items
+
+
+def generator_options(ap: argparse.ArgumentParser, args: argparse.Namespace, vopts: VoiceOptions) -> GeneratorOptions:
+    """The one generator every config shares (the loopback cloud), checked; the pipeline pinned to its CPUs."""
     gen_opts = GeneratorOptions(
-        cloud="local", cloud_cpus=args.cloud_cpus or "", policy=args.policy, max_tokens=first.max_tokens, seed=0
+        cloud="local", cloud_cpus=args.cloud_cpus or "", policy=args.policy, max_tokens=vopts.max_tokens, seed=0
     )
     try:
         gen_opts.validate()
@@ -610,81 +641,103 @@ def main() -> None:
             pin_to_cpus(args.device_cpus)
     except ValueError as exc:
         ap.error(str(exc))
+    return gen_opts
+
+
+def config_engines(gen: VoiceGenerator, configs: list[tuple]) -> tuple[Engines, dict, dict]:
+    """The shared engines, and each config's synthesiser and recogniser, warmed up."""
+    first = configs[0][1]
+    eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
+    # Every config has a synthesiser of its own, so its own cache of short pieces: with one shared, the
+    # config that spoke a query's reply second found its first piece cached (~80 ms sooner). A config with
+    # other recogniser options gets its own recogniser (a recogniser keeps nothing between decodes).
+    synths = {name: eng.synth if name == configs[0][0] else Synthesizer(v.tts) for name, v, _ in configs}
+    recognisers = {name: eng.transcriber if v.asr == first.asr else Transcriber(v.asr) for name, v, _ in configs}
+    for tx in recognisers.values():
+        tx.recognize(np.zeros(16000, np.float32), final=True)  # warm-up, as Engines does
+    return eng, synths, recognisers
+
+
+def speak_query(speaker: Synthesizer, text: str, pauses: dict[int, int], wav: Path) -> float | None:
+    """Speak the query into `wav`; the true end of its speech in seconds (None: no pause found to make)."""
+    if pauses:
+        return spoken_wav_with_pauses(speaker, text, pauses, wav)
+    spoken_wav(speaker, text, wav)
+    return speech_span(*read_wav(wav))[1]
+
+
+def against_the_query(obj: dict, q: str, true_end: float, offline: str) -> dict:
+    """How a turn did against what was said: WER (and the offline decode's), cut off or ended before the
+    last word, and end of speech -> first audio from the true end."""
+    first_audio = obj.get("input_first_audio_s")
+    return {
+        "wer": wer(without_fillers(q), without_fillers(obj["transcript"])),
+        "true_end_s": round(float(true_end), 4),
+        "offline_transcript": offline,
+        "wer_offline": wer(without_fillers(q), without_fillers(offline)),
+        "cut_off": bool(first_audio is not None and first_audio < true_end),
+        "ended_early": bool(obj.get("input_endpoint_s") is not None and obj["input_endpoint_s"] < true_end),
+        "true_eos_to_first_audio_ms": None if first_audio is None else round((first_audio - true_end) * 1000, 1),
+    }
+
+
+def row_line(i: int, name: str, kind: str, obj: dict, reply_s: float) -> str:
+    """The progress line of one config's turn: its latency from the true end, how the turn ended, its WER."""
+    e = obj["end_of_turn"] or {}
+    return (
+        f"{i:2d}{name} {kind:6s} "
+        f"eos->audio {obj['true_eos_to_first_audio_ms']:7.1f} ms (true end)  "
+        f"endpoint->audio {obj['endpoint_to_first_audio_ms']:7.1f} ms  "
+        f"{'CUT OFF ' if obj['cut_off'] else ('ENDED EARLY ' if obj['ended_early'] else '')}"
+        f"p={e.get('probability')} last word p={e.get('last_word_prob')} wait={e.get('wait_ms')} "
+        f"draft={obj['draft']}  wer {obj['wer']:.2f}  "
+        f"{'gaps %d (%.0f ms)  ' % (obj['playback_gaps'], obj['playback_gap_ms']) if reply_s else ''}"
+        f"{obj['spoken']!r} -> {obj['transcript']!r}"
+    )
+
+
+def run_queries(
+    args: argparse.Namespace, configs: list[tuple], items: list[tuple], gen_opts: GeneratorOptions
+) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every query through every config (the order alternating), one turn each: the rows per config, and
+    the busy processes' report."""
+    rows: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+    tmp = Path(tempfile.mkdtemp(prefix="voice-bench-"))
     with open_generator(gen_opts) as gen:
-        eng = Engines(gen, first.asr, first.tts, first.dialogue.system_prompt, TurnOptions())
-        # Every config has a synthesiser of its own, so its own cache of short pieces: with one shared, the
-        # config that spoke a query's reply second found its first piece cached (~80 ms sooner). A config with
-        # other recogniser options gets its own recogniser (a recogniser keeps nothing between decodes).
-        synths = {name: eng.synth if name == configs[0][0] else Synthesizer(v.tts) for name, v, _ in configs}
-        recognisers = {name: eng.transcriber if v.asr == first.asr else Transcriber(v.asr) for name, v, _ in configs}
-        for tx in recognisers.values():
-            tx.recognize(np.zeros(16000, np.float32), final=True)  # warm-up, as Engines does
+        eng, synths, recognisers = config_engines(gen, configs)
         speaker = query_voice(args)
         busy = start_busy(args.busy_cores)  # once the models are loaded: the turns run beside it
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
-            if pauses:
-                true_end = spoken_wav_with_pauses(speaker, text, pauses, wav)
-                if true_end is None:
-                    print(f"{i:2d} skipped: no pause found in the synthesised {text!r}")
-                    continue
-            else:
-                spoken_wav(speaker, text, wav)
-                true_end = speech_span(*read_wav(wav))[1]
-            audio, rate = read_wav(wav)
-            offline = offline_transcript(recognisers["a"], audio)
-            order = (
-                configs if i % 2 == 0 else configs[::-1]
-            )  # alternate, so neither config always runs on a warmer cache
+            true_end = speak_query(speaker, text, pauses, wav)
+            if true_end is None:
+                print(f"{i:2d} skipped: no pause found in the synthesised {text!r}")
+                continue
+            offline = offline_transcript(recognisers["a"], read_wav(wav)[0])
+            order = configs if i % 2 == 0 else configs[::-1]  # alternate: neither always runs on a warmer cache
             for name, vopts, flags in order:
                 gen.reconfigure(lookahead=flags["lookahead"], check=flags["check"])
                 eng.synth, eng.transcriber = synths[name], recognisers[name]
                 t = time.monotonic()
-                obj = run_file_turn(
-                    gen,
-                    str(wav),
-                    str(tmp / f"r{i}{name}.wav"),
-                    vopts,
-                    realtime=True,
-                    engines=eng,
-                    reply_limit_s=args.reply_s,
-                )
-                first_audio = obj.get("input_first_audio_s")
-                obj.update(
-                    set=kind,
-                    query=q,
-                    spoken=text,
-                    pauses_ms=list(pauses.values()),
-                    wall_s=time.monotonic() - t,
-                    wer=wer(without_fillers(q), without_fillers(obj["transcript"])),
-                    true_end_s=round(float(true_end), 4),
-                    offline_transcript=offline,
-                    wer_offline=wer(without_fillers(q), without_fillers(offline)),
-                    cut_off=bool(first_audio is not None and first_audio < true_end),
-                    ended_early=bool(obj.get("input_endpoint_s") is not None and obj["input_endpoint_s"] < true_end),
-                    true_eos_to_first_audio_ms=None
-                    if first_audio is None
-                    else round((first_audio - true_end) * 1000, 1),
-                )
+                out = str(tmp / f"r{i}{name}.wav")
+                obj = run_file_turn(gen, str(wav), out, vopts, realtime=True, engines=eng, reply_limit_s=args.reply_s)
+                obj.update(set=kind, query=q, spoken=text, pauses_ms=list(pauses.values()))
+                obj.update(wall_s=time.monotonic() - t, **against_the_query(obj, q, true_end, offline))
                 rows[name].append(obj)
-                e = obj["end_of_turn"] or {}
-                print(
-                    f"{i:2d}{name if len(configs) > 1 else ''} {kind:6s} "
-                    f"eos->audio {obj['true_eos_to_first_audio_ms']:7.1f} ms (true end)  "
-                    f"endpoint->audio {obj['endpoint_to_first_audio_ms']:7.1f} ms  "
-                    f"{'CUT OFF ' if obj['cut_off'] else ('ENDED EARLY ' if obj['ended_early'] else '')}"
-                    f"p={e.get('probability')} last word p={e.get('last_word_prob')} wait={e.get('wait_ms')} "
-                    f"draft={obj['draft']}  wer {obj['wer']:.2f}  "
-                    f"{'gaps %d (%.0f ms)  ' % (obj['playback_gaps'], obj['playback_gap_ms']) if args.reply_s else ''}"
-                    f"{text!r} -> {obj['transcript']!r}",
-                    flush=True,
-                )
+                print(row_line(i, name if len(configs) > 1 else "", kind, obj, args.reply_s), flush=True)
         busy_report = stop_busy(busy)
+    return rows, busy_report
+
+
+def report(
+    args: argparse.Namespace, configs: list[tuple], compare: str | None, rows: dict[str, list[dict]], busy: list[dict]
+) -> dict:
+    """The run's report: where it ran, each config's summary and turn-taking, the paired differences."""
     result: dict = {
         "command": " ".join(["python", "scripts/bench_voice.py", *sys.argv[1:]]),
         "policy": args.policy,
         # competing processes that each spun a Python loop for the whole run (--busy-cores)
-        "busy_cores": busy_report,
+        "busy_cores": busy,
         "cpus": {"device": format_cpus(os.sched_getaffinity(0)), "cloud": args.cloud_cpus or "the device's"},
         "configs": {},
     }
@@ -709,6 +762,22 @@ def main() -> None:
             if any(r["set"] == kind for r in rows["a"])
         }
     result["rows"] = rows
+    return result
+
+
+def main() -> None:
+    ap = build_parser()
+    args = ap.parse_args()
+    configs, compare = ab_configs(ap, args)
+    data = json.load(open(args.data))
+    if args.recognition:
+        return recognition(args, data)
+    if args.turn_study:
+        return turn_study(args, data)
+    items = query_items(data, args.n, args.seed, pauses=args.pauses)
+    gen_opts = generator_options(ap, args, configs[0][1])
+    rows, busy = run_queries(args, configs, items, gen_opts)
+    result = report(args, configs, compare, rows, busy)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))

@@ -299,7 +299,7 @@ def test_the_app_runs_a_pool(tmp_path):
     from edge_client.cli import build_parser
     from edge_client.voice.events import TurnDone
     from edge_client.webapp.cli import build_core
-    from edge_client.webapp.conversation import turn_json
+    from edge_client.webapp.conversation import turn_done_message
 
     args = build_parser().parse_args(
         ["app", "--no-browser", "--config", str(tmp_path / "a.json"), "--tier", "local:smollm2-135m-q4_1"]
@@ -313,6 +313,6 @@ def test_the_app_runs_a_pool(tmp_path):
         assert isinstance(answer, Answer) and not answer.degraded
         assert 2 in answer.tiers  # hard positions went to the top tier (the cloud still checks and guesses)
         done = TurnDone(transcript=LONG_QUESTIONS[0], answer=answer, spoken_text=answer.text, interrupted=False)
-        assert turn_json(done, core.settings)["answer"]["tiers"] == answer.tiers
+        assert turn_done_message(done, core.settings)["answer"]["tiers"] == answer.tiers
     finally:
         core.close()

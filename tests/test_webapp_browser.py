@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -124,6 +125,24 @@ def pulse_env(dev: Any, room: bool = False) -> dict:
         dev.pactl("load-module", "module-loopback", "source=room.monitor", "sink=mic", "latency_msec=30")
     dev.pactl("set-default-sink", "room" if room else "speaker")
     return dict(dev.env, PULSE_SERVER=f"unix:{dev.env['XDG_RUNTIME_DIR']}/pulse/native")
+
+
+def served_app(stack: contextlib.ExitStack, config: Path, **core_options: Any) -> tuple[AppCore, AppServer]:
+    """For the benchmarks (scripts/bench_app.py, bench_echo.py): the app's core with the router and the
+    loopback cloud, served on loopback and loaded; both closed with `stack`."""
+    core = AppCore(
+        GeneratorOptions(cloud="local", policy="router", max_tokens=96, seed=0),
+        VoiceOptions(),
+        SettingsStore(config),
+        **core_options,
+    )
+    srv = AppServer(core, port=0)
+    srv.start()
+    stack.callback(core.close)
+    stack.callback(srv.stop)
+    core.load()
+    assert core.load_error is None, core.load_error
+    return core, srv
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, d: Any = None) -> Any:
@@ -265,6 +284,10 @@ def test_spoken_question_answered_in_the_page(app, tmp_path):
         assert all(v not in (None, "") for v in ms.values()), ms
         chain = [float(ms[s]) for s in CHAIN]
         assert chain == sorted(chain) and float(ms["first_audio_out"]) >= float(ms["endpoint_decided"])
+        # the record's wait after the last word heads the panel (as the page rounds it: Math.round)
+        e2a = math.floor(round(done.timings.end_of_speech_to_first_audio_ms, 1) + 0.5)
+        h2 = texts(d, "#last-turn h2")[0]
+        assert h2.startswith(f"Last turn · {e2a} ms to first audio"), h2
         assert attr(d, "#cloud-badge", "data-state") == "connected"
         assert int(texts(d, "#round-trips")[0]) == a.round_trips > 0
         # why the turn ended: the silence waited and the signals that set it (the device model's P(end) among them)

@@ -26,6 +26,7 @@ from edge_client.options import GeneratorOptions
 from edge_client.voice.audio_io import Frame
 from edge_client.voice.events import TurnDone
 from edge_client.voice.pipeline import VoiceOptions
+from edge_client.voice.turn_record import turn_json
 from edge_client.voice.wavfile import AudioFileError, read_audio, read_wav, write_wav
 from edge_client.webapp.bridge import BrowserMicrophone, BrowserPlayback, FrameClock, InputGate, page_time
 from edge_client.webapp.cli import cmd_app
@@ -397,6 +398,15 @@ def test_the_cloud_share_is_shown_against_its_target_with_the_reasons_an_answer_
     assert rec["cloud_share"]["why"] == [
         "the cloud's server changed mid-answer: the session moved, at a cost of 340 ms"
     ]
+
+
+def test_the_pages_record_is_the_turns_record_with_only_the_apps_own_facts_added():
+    """One record of a turn (voice/turn_record.py, what `file --json` prints): the page's adds its message
+    type and the cloud share against its target, and names nothing twice."""
+    done = _done("q", "a", n_tokens=10, n_cloud=4)
+    rec = TurnLog().add(done, AppSettings())
+    assert {k: v for k, v in rec.items() if k not in ("type", "cloud_share")} == turn_json(done)
+    assert rec["type"] == "turn_done" and rec["answer"]["n_cloud_tokens"] == 4 and rec["cloud_share"]["answer"] == 0.4
 
 
 def test_a_finished_answer_says_when_it_was_cut_at_the_limit():

@@ -19,6 +19,7 @@ Modules, one responsibility each:
   speaking    stage: the reply starts, plays, ends; barge-in
   reply       one answer (`Turn`): generation -> clauses -> Piper -> playback
   pipeline    the coordinator wiring the stages (VoicePipeline)
+  turn_record a finished turn as one JSON record (`file --json`, the web app's page)
   app         the rich terminal UI of `tokenrouter-edge listen`
   cli         subcommands `devices`, `listen`, `file`
 """

@@ -22,10 +22,10 @@ from .app import run_app
 from .assets import MissingModelError
 from .audio_io import DeviceError, FileSink, FileSource, list_devices
 from .endofturn import TurnDecision, TurnOptions, smart_turn_path
-from .events import TurnDone
 from .options_cli import add_voice_options, voice_options_from_args
 from .pipeline import Engines, NoSpeechError, VoiceGenerator, VoiceOptions, VoicePipeline
 from .timings import playback_gap_line
+from .turn_record import turn_json
 from .wavfile import AudioFileError
 
 
@@ -105,7 +105,9 @@ def run_file_turn(
     pipe = VoicePipeline(engines, source, sink, vopts)
     turns = pipe.run(max_turns=1, reply_limit_s=reply_limit_s)
     sink.write(out_path)
-    obj = turn_json(turns[0], out_path, len(sink.audio()) / sink.rate)
+    obj = turn_json(turns[0])
+    obj["out"] = out_path
+    obj["reply_seconds"] = round(len(sink.audio()) / sink.rate, 3)
     obj["prefilled_tokens"] = pipe.prefilled_tokens
     t = turns[0].timings
     if source.t0 is not None:  # seconds into the input file: benchmarks compare them with the true end of speech
@@ -115,27 +117,6 @@ def run_file_turn(
     obj["drafts"] = pipe.n_drafts
     obj["wasted_draft_tokens"] = pipe.wasted_draft_tokens
     obj["wasted_draft_cloud_tokens"] = pipe.wasted_draft_cloud_tokens
-    return obj
-
-
-def turn_json(done: TurnDone, out_path: str | None = None, reply_s: float | None = None) -> dict:
-    a = done.answer
-    obj = {
-        "transcript": done.transcript,
-        "answer": a.text if a is not None else done.spoken_text,
-        "routes": a.routes if a is not None else [],
-        "n_tokens": a.n_tokens if a is not None else 0,
-        "n_cloud_tokens": a.n_cloud_tokens if a is not None else 0,
-        "degraded": a.degraded if a is not None else False,
-        "warnings": a.warnings if a is not None else [],
-        "interrupted": done.interrupted,
-    }
-    obj.update(done.timings.to_json())
-    obj["end_of_turn"] = done.end_of_turn.to_json() if done.end_of_turn is not None else None
-    obj["draft"] = done.draft
-    if out_path is not None:
-        obj["out"] = out_path
-        obj["reply_seconds"] = round(reply_s or 0.0, 3)
     return obj
 
 
@@ -163,23 +144,23 @@ def cmd_file(args: argparse.Namespace) -> int:
             obj = run_file_turn(gen, args.input, args.out, vopts, realtime=not args.fast)
     except (AudioFileError, NoSpeechError, MissingModelError) as e:
         return _fail(str(e))
-    for note in obj["warnings"]:
+    answer = obj["answer"] or {}  # None: a reset command, or no answer
+    for note in answer.get("warnings", []):
         print(f"tokenrouter-edge: warning: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps(obj))
         return 0
-    a = obj
-    cloud_pct = 100 * a["n_cloud_tokens"] / max(a["n_tokens"], 1)
-    print(f"transcript: {a['transcript']}")
-    print(f"answer:     {a['answer']}")
+    n, n_cloud = answer.get("n_tokens", 0), answer.get("n_cloud_tokens", 0)
+    print(f"transcript: {obj['transcript']}")
+    print(f"answer:     {answer.get('text', obj['spoken_text'])}")
     print(
-        f"routing:    {a['n_tokens']} tokens, {a['n_cloud_tokens']} from the cloud ({cloud_pct:.0f}%)"
-        + (" [degraded: cloud unavailable]" if a["degraded"] else "")
+        f"routing:    {n} tokens, {n_cloud} from the cloud ({100 * n_cloud / max(n, 1):.0f}%)"
+        + (" [degraded: cloud unavailable]" if answer.get("degraded") else "")
     )
-    print(latency_table(a))
-    if a["end_of_turn"] is not None:
-        print(f"turn:       {turn_summary(a)}")
-    print(f"reply:      {args.out} ({a['reply_seconds']:.2f} s)")
+    print(latency_table(obj))
+    if obj["end_of_turn"] is not None:
+        print(f"turn:       {turn_summary(obj)}")
+    print(f"reply:      {args.out} ({obj['reply_seconds']:.2f} s)")
     return 0
 
 

@@ -63,6 +63,7 @@ class TurnTimings:
         }
 
     def to_json(self) -> dict:
+        """The latency fields of a turn's record (turn_record.py); each reply piece as `speech_pieces`."""
         return {
             "timings_ms": self.relative_ms(),
             "end_of_speech_to_first_audio_ms": _r(self.end_of_speech_to_first_audio_ms),
@@ -70,7 +71,7 @@ class TurnTimings:
             "playback_gaps": self.playback_gaps,
             "playback_gap_ms": _r(self.playback_gap_ms),
             "first_piece_cached": self.first_piece_cached,
-            "pieces": [
+            "speech_pieces": [
                 {"words": w, "ahead_ms": _ms(a), "synth_ms": _ms(t), "audio_ms": _ms(d), "token_wait_ms": _ms(g)}
                 for w, a, t, d, g in self.pieces
             ],

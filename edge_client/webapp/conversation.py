@@ -13,15 +13,12 @@ from typing import Any
 
 from edge_client.answer import Answer
 from edge_client.voice.events import TurnDone
+from edge_client.voice.turn_record import turn_json
 
 from .settings import AppSettings
 
 MAX_RECORDS = 200  # turns kept for a reloaded tab (the history the model gets is shorter)
 SHORT_ANSWER = 20  # tokens: below this one token moves the answer's share by 5 points or more
-
-
-def _round(x: float | None, nd: int = 1) -> float | None:
-    return None if x is None else round(float(x), nd)
 
 
 @dataclass
@@ -59,60 +56,29 @@ def share_reasons(a: Answer, s: AppSettings) -> list[str]:
     return why
 
 
-def turn_json(done: TurnDone, settings: AppSettings, tally: ShareTally | None = None) -> dict[str, Any]:
-    """A finished turn for the page: what was said and kept, the waterfall, and how the answer was routed."""
-    t = done.timings
-    d: dict[str, Any] = {
-        "type": "turn_done",
-        "transcript": done.transcript,
-        "spoken_text": done.spoken_text,
-        "interrupted": done.interrupted,
-        "reset": done.reset,
-        "timings": t.relative_ms(),
-        "eos_to_first_audio_ms": _round(t.end_of_speech_to_first_audio_ms),
-        "endpoint_to_first_audio_ms": _round(t.endpoint_to_first_audio_ms),
-        "playback_gaps": t.playback_gaps,  # where synthesis fell behind playback (TurnTimings)
-        "playback_gap_ms": _round(t.playback_gap_ms),
-        "first_piece_cached": t.first_piece_cached,  # the first piece played from the synthesiser's cache
-        "draft": done.draft,
-        "end_of_turn": done.end_of_turn.to_json() if done.end_of_turn is not None else None,
-        "answer": None,
+def cloud_share(a: Answer, settings: AppSettings, tally: ShareTally | None) -> dict[str, Any]:
+    """This answer's cloud share beside its target, the share since the target was set, and why they differ."""
+    return {
+        "answer": round(a.n_cloud_tokens / a.n_tokens, 3) if a.n_tokens else 0.0,
+        "target": 0.0 if settings.cloud == "none" else settings.cloud_fraction,
+        "since_target": round(tally.cloud / tally.tokens, 3) if tally and tally.tokens else None,
+        "since_target_tokens": tally.tokens if tally else 0,
+        "why": share_reasons(a, settings),
     }
-    a = done.answer
-    if a is not None:
-        d["answer"] = {
-            "text": a.text,
-            "pieces": a.pieces,
-            "routes": a.routes,
-            "tiers": a.tiers,  # who wrote each token: 0 the device, 1 the cloud, 2+ a tier above it (--tier)
-            "scores": [_round(s, 3) for s in a.scores],
-            "lookahead_positions": a.lookahead_positions,
-            "overruled_positions": a.overruled_positions,
-            "n_tokens": a.n_tokens,
-            "n_cloud_tokens": a.n_cloud_tokens,
-            "round_trips": a.round_trips,
-            "bytes_up": a.bytes_up,
-            "bytes_down": a.bytes_down,
-            "cloud_timeouts": a.cloud_timeouts,
-            "reconnects": a.traffic.reconnects,  # failovers: the session rebuilt on another cloud replica
-            "failover_lost_ms": _round(a.traffic.failover_lost_ms),
-            "degraded": bool(a.degraded and settings.cloud != "none"),
-            "finish_reason": a.finish_reason,  # "length": cut at the token limit, not a complete answer
-            "warnings": a.warnings,  # a base model wrote some of it (generator.base_model_warnings)
-            "first_token_ms": _round(a.latency.first_token),
-        }
-        d["cloud_share"] = {
-            "answer": round(a.n_cloud_tokens / a.n_tokens, 3) if a.n_tokens else 0.0,
-            "target": 0.0 if settings.cloud == "none" else settings.cloud_fraction,
-            "since_target": round(tally.cloud / tally.tokens, 3) if tally and tally.tokens else None,
-            "since_target_tokens": tally.tokens if tally else 0,
-            "why": share_reasons(a, settings),
-        }
+
+
+def turn_done_message(done: TurnDone, settings: AppSettings, tally: ShareTally | None = None) -> dict[str, Any]:
+    """A finished turn for the page: the turn's record (voice/turn_record.py), and with an answer its cloud share."""
+    d: dict[str, Any] = {"type": "turn_done", **turn_json(done)}
+    if done.answer is not None:
+        if settings.cloud == "none":  # the person turned the cloud off: the device finishing alone is no failure
+            d["answer"]["degraded"] = False
+        d["cloud_share"] = cloud_share(done.answer, settings, tally)
     return d
 
 
 class TurnLog:
-    """The records of finished turns (`turn_json`), kept for a tab that reloads or takes over."""
+    """The records of finished turns (`turn_done_message`), kept for a tab that reloads or takes over."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
@@ -125,7 +91,7 @@ class TurnLog:
             self.tally = ShareTally(target)
         if done.answer is not None and not done.reset:
             self.tally.add(done.answer)
-        rec = turn_json(done, settings, self.tally)
+        rec = turn_done_message(done, settings, self.tally)
         if not done.reset:
             self.records.append(rec)
             del self.records[:-MAX_RECORDS]

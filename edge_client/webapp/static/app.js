@@ -518,7 +518,7 @@ function answerState(a, m) {
 }
 
 function renderLastTurn(m) {
-  renderWaterfall(m.timings);
+  renderWaterfall(m.timings_ms);
   const a = m.answer;
   const st = $("#answer-state");
   if (!a) { st.textContent = "–"; st.dataset.state = ""; return; }
@@ -533,7 +533,7 @@ function renderLastTurn(m) {
   $("#bytes").textContent = `${fmtBytes(a.bytes_up)} / ${fmtBytes(a.bytes_down)}`;
   [st.dataset.state, st.textContent] = answerState(a, m);
   $("#end-of-turn").textContent = describeEndOfTurn(m.end_of_turn);
-  const e2a = m.eos_to_first_audio_ms;
+  const e2a = m.end_of_speech_to_first_audio_ms;
   const gaps = m.playback_gaps ? ` · ${m.playback_gaps} playback gap${m.playback_gaps > 1 ? "s" : ""} (${Math.round(m.playback_gap_ms)} ms)` : "";
   $("#last-turn h2").textContent = (e2a === null ? "Last turn" : `Last turn · ${Math.round(e2a)} ms to first audio`) + gaps;
 }

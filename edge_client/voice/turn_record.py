@@ -1,0 +1,59 @@
+"""A finished turn as one JSON record: what `file --json` prints and what the web app's page gets.
+
+Why one function: the CLI, the benchmarks and the page read the same facts of a turn (what was heard,
+the routed answer, the latency waterfall, how the turn ended), so each fact has one key everywhere.
+Callers add only what is theirs on top: `file` its run (the reply's WAV, seconds into the input file),
+the web app its cloud-share tally (edge_client/webapp/conversation.py). Fields: docs/voice.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..answer import Answer
+from .events import TurnDone
+
+
+def _round(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def answer_json(a: Answer) -> dict[str, Any]:
+    """The routed answer: its text, who wrote each token and what the cloud cost. The part of
+    `Answer.to_json` (`ask --json`) a turn needs, under the same names."""
+    return {
+        "text": a.text,
+        "pieces": a.pieces,  # each token's text, as streamed
+        "routes": a.routes,
+        "tiers": a.tiers,  # who wrote each token: 0 the device, 1 the cloud, 2+ a tier above it (--tier)
+        "scores": [_round(s, 3) for s in a.scores],
+        "lookahead_positions": a.lookahead_positions,
+        "overruled_positions": a.overruled_positions,
+        "n_tokens": a.n_tokens,
+        "n_cloud_tokens": a.n_cloud_tokens,
+        "round_trips": a.round_trips,
+        "bytes_up": a.bytes_up,
+        "bytes_down": a.bytes_down,
+        "cloud_timeouts": a.cloud_timeouts,
+        "reconnects": a.traffic.reconnects,  # failovers: the session rebuilt on another cloud replica
+        "failover_lost_ms": _round(a.traffic.failover_lost_ms),
+        "degraded": a.degraded,
+        "finish_reason": a.finish_reason,  # "length": cut at the token limit, not a complete answer
+        "warnings": a.warnings,  # a base model wrote some of it (generator.base_model_warnings)
+        "first_token_ms": _round(a.latency.first_token),
+    }
+
+
+def turn_json(done: TurnDone) -> dict[str, Any]:
+    """The turn: what was heard and kept, the answer (None: a reset, or no answer), the latency
+    waterfall and the reply's playback, and how the end of the turn was decided."""
+    return {
+        "transcript": done.transcript,
+        "spoken_text": done.spoken_text,  # what went into the history: all of the reply, or what was played
+        "interrupted": done.interrupted,
+        "reset": done.reset,
+        "answer": answer_json(done.answer) if done.answer is not None else None,
+        **done.timings.to_json(),
+        "end_of_turn": done.end_of_turn.to_json() if done.end_of_turn is not None else None,
+        "draft": done.draft,
+    }
