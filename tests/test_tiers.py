@@ -61,7 +61,9 @@ def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
         answers = [gen.generate(chat(q), max_tokens=32) for q in LONG_QUESTIONS[:2]]
         link = gen.cloud.link
         assert link is not None and link.mode == "tokens"
-        assert link.tokens.tokens == gen.decoder.history[: link.held.covered], "the cloud holds a prefix of the device's history"
+        assert link.tokens.tokens == gen.decoder.history[: link.held.covered], (
+            "the cloud holds a prefix of the device's history"
+        )
         assert gen.tiers[0].link is not None and gen.tiers[0].link.mode == "text"
     finally:
         gen.close()
