@@ -283,7 +283,7 @@ def test_a_text_tiers_rewrite_rolls_the_token_cloud_back(edge_model, cloud_serve
         gen.cloud.sync(gen.decoder.history)
         turn = make_turn(gen, prompt, messages)
         top = turn.cloud_for(2)
-        assert top is not None and top.text
+        assert top is not None and top.shared_history == "text"
         TEXT.take_text(turn, top, CloudText(b"ld! How", 3, -1.0, False), 0.9)
         assert gen.decoder.history == prompt + gen.answer_text.tokens(b"Hello world! How")
         turn.sync_eagerly()
