@@ -17,7 +17,7 @@ idle sessions first, and evicting a session in "recompute" mode charges the evic
 evict any more until it refills: its request is refused (`ChurnLimited`, the device gets `busy`)
 before its churn slows the others (docs/server.md, "KV memory budget and eviction").
 
-The pool knows cells, not tokens: decoding is the engine's (cloud_server/engine.py).
+The pool knows cells, not tokens: decoding is the model runner's (cloud_server/model_runner.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ time wastes its accelerator. Every session has at most one request in flight
 
 Fairness: requests are served oldest first among the sessions whose turn it
 is (the engine decides: short work first, then fair queueing between keys; see
-cloud_server/engine.py). Every generate in the queue gets
+cloud_server/fair_share.py). Every generate in the queue gets
 its token in the next batch unless the per-batch token budget is spent by
 older requests; long prefills are cut into chunks of at most `session_tokens`
 per session and step, so a 2000-token sync never holds back another session's

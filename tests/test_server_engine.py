@@ -220,8 +220,8 @@ def test_kv_budget_evicts_idle_sessions_lru_and_save_mode_restores_exactly(cloud
         ref = asyncio.run(turns(ref_w, ref_eng))
         got = asyncio.run(turns(w, eng))
         assert got == ref
-        assert eng.stats.evictions >= 8 and eng.stats.restores_loaded >= 6
-        assert eng.n_resident == 1 and eng.cells_used <= eng.ctx.n_ctx
+        assert eng.pool.stats.evictions >= 8 and eng.pool.stats.restores_loaded >= 6
+        assert eng.pool.n_resident == 1 and eng.pool.cells_used <= eng.ctx.n_ctx
     finally:
         ref_w.shutdown()
         w.shutdown()
@@ -245,14 +245,14 @@ def test_recompute_mode_rebuilds_from_history_within_a_small_budget(cloud_info):
             for _ in range(2):
                 for i, h in enumerate(hs):
                     outs[i].append((await w.generate(h))[0])
-                    peak = max(peak, eng.cells_used)
+                    peak = max(peak, eng.pool.cells_used)
             return [eng.model.detokenize(o) for o in outs]
 
         texts = asyncio.run(main())
         assert all(t.strip() for t in texts)
-        assert eng.stats.evictions > 0 and eng.stats.restores_recomputed > 0
+        assert eng.pool.stats.evictions > 0 and eng.pool.stats.restores_recomputed > 0
         assert peak <= eng.ctx.n_ctx, "KV cells in use must stay within the budget"
-        assert eng.kv_bytes_used <= eng.kv_budget_bytes
+        assert eng.pool.kv_bytes_used <= eng.pool.kv_budget_bytes
     finally:
         w.shutdown()
 
@@ -296,7 +296,7 @@ def test_split_kv_layout_caps_each_session_at_its_share(cloud_info):
     """Split layout: 4 slots x 256 cells; a session past its share gets EngineFull, the others are untouched."""
     eng, w, _ = make(cloud_info, n_ctx=1024, max_sessions=4, kv_layout="split")
     try:
-        assert eng.seq_cells == 256
+        assert eng.pool.seq_cells == 256
 
         async def main() -> int:
             long = await w.call(eng.open, prompt_of(eng, "word " * 300), SamplingParams())
@@ -485,21 +485,25 @@ class FaultyEngine(CloudEngine):
         self.raise_handles: set[int] = set()
         self.decodes: list[int] = []  # items per decode attempt
         self._nan_outs: set[int] = set()
+        # the model runner's calls into llama.cpp, wrapped (every decode of the engine goes through them)
+        self._real_decode_items, self._real_output_logits = self.runner.decode_items, self.runner.output_logits
+        self.runner.decode_items = self._decode_items  # type: ignore[method-assign]
+        self.runner.output_logits = self._output_logits  # type: ignore[method-assign]
 
     def _seqs_of(self, handles: set[int]) -> set[int]:
-        return {self._seqs[h].kv.seq for h in handles if h in self._seqs}
+        return {self._sessions[h].kv.seq for h in handles if h in self._sessions}
 
     def _decode_items(self, items: list[DecodeItem]) -> list[int]:
         self.decodes.append(len(items))
         if {it.seq for it in items} & self._seqs_of(self.raise_handles):
             raise RuntimeError("injected kernel failure")
-        outs = super()._decode_items(items)
+        outs = self._real_decode_items(items)
         poisoned = self._seqs_of(self.nan_handles)
         self._nan_outs = {o for it, o in zip(items, outs) if it.seq in poisoned}
         return outs
 
     def _output_logits(self, out: int) -> np.ndarray:
-        logits = super()._output_logits(out)
+        logits = self._real_output_logits(out)
         return np.full_like(logits, np.nan) if out in self._nan_outs else logits
 
 
