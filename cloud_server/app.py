@@ -30,7 +30,7 @@ import struct
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Response, WebSocket, WebSocketDisconnect
 
@@ -49,6 +49,7 @@ from cloud_server.scheduler import EngineWorker
 from cloud_server.services import Services
 from cloud_server.session import Connection, ConnectionDone
 from models.registry import model_info
+from shared.model_info import ModelInfo
 from shared.protocol import (
     MAX_REQUEST_ID,
     PROTOCOL_VERSION,
@@ -119,27 +120,10 @@ def build_worker(config: ServerConfig, metrics: ServerMetrics) -> Worker:
 
 def create_app(config: ServerConfig) -> FastAPI:
     """Load the model and build the app (the model loads once, before serving)."""
-    default_key = KeyPolicy(
-        max_sessions=config.key_max_sessions,
-        tokens_per_minute=config.key_tokens_per_minute,
-        max_cloud_fraction=config.key_max_cloud_fraction,
-        kv_churn_per_minute=config.key_kv_churn_per_minute,
-        explore_per_minute=config.key_explore_per_minute,
-    )
-    keys = KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
+    keys = _key_checker(config)
     info = model_info(config.model)
     metrics = ServerMetrics()
-    audit = AuditLog(
-        AuditOptions(config.audit_dir, config.audit_sample_rate, config.audit_retention_days, config.audit_token_ids),
-        cloud_model=info.fingerprint,
-    )
-    services = Services(
-        quotas=Quotas(),
-        metrics=metrics,
-        audit=audit,
-        abuse_warmup_tokens=config.abuse_warmup_tokens,
-        watch=RoutingWatch(config.alarm_quantile, config.alarm_min_sessions),
-    )
+    services = _services(config, info, metrics)
     worker = build_worker(config, metrics)
     metrics.bind(
         lambda: worker.engine.n_sessions, worker.engine.pool if isinstance(worker.engine, CloudEngine) else None
@@ -155,6 +139,48 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.services = services
 
     drain = app.state.drain = Drain()
+    _add_http_routes(app, config, info, worker, metrics, drain)
+    app.add_middleware(_TransportAccess)
+    endpoint = _RouteEndpoint(config, keys, info, worker, services, drain)
+
+    @app.websocket(WS_PATH)
+    async def route(ws: WebSocket) -> None:
+        await endpoint.serve(ws)
+
+    return app
+
+
+def _key_checker(config: ServerConfig) -> KeyChecker:
+    """The API keys, each with the per-key limits of the configuration unless its key file sets its own."""
+    default_key = KeyPolicy(
+        max_sessions=config.key_max_sessions,
+        tokens_per_minute=config.key_tokens_per_minute,
+        max_cloud_fraction=config.key_max_cloud_fraction,
+        kv_churn_per_minute=config.key_kv_churn_per_minute,
+        explore_per_minute=config.key_explore_per_minute,
+    )
+    return KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
+
+
+def _services(config: ServerConfig, info: ModelInfo, metrics: ServerMetrics) -> Services:
+    """What every session shares besides the engine: quotas, metrics, the audit log, the routing watch."""
+    audit = AuditLog(
+        AuditOptions(config.audit_dir, config.audit_sample_rate, config.audit_retention_days, config.audit_token_ids),
+        cloud_model=info.fingerprint,
+    )
+    return Services(
+        quotas=Quotas(),
+        metrics=metrics,
+        audit=audit,
+        abuse_warmup_tokens=config.abuse_warmup_tokens,
+        watch=RoutingWatch(config.alarm_quantile, config.alarm_min_sessions),
+    )
+
+
+def _add_http_routes(
+    app: FastAPI, config: ServerConfig, info: ModelInfo, worker: Worker, metrics: ServerMetrics, drain: Drain
+) -> None:
+    """GET /healthz, /readyz, /v1/info and /metrics (the module docstring)."""
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -195,18 +221,68 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    failures = _FailureLog(limit=TRACEBACKS)
-    app.add_middleware(_TransportAccess)
 
-    @app.websocket(WS_PATH)
-    async def route(ws: WebSocket) -> None:
+class _RouteEndpoint:
+    """WS /v1/route: one routing session (a `Connection`) per WebSocket, behind the limits of the
+    module docstring; whatever ends it, the session is freed before the socket is closed."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        keys: KeyChecker,
+        info: ModelInfo,
+        worker: Worker,
+        services: Services,
+        drain: Drain,
+    ) -> None:
+        self.config, self.keys, self.info, self.worker = config, keys, info, worker
+        self.services, self.metrics, self.drain = services, services.metrics, drain
+        self.failures = _FailureLog(limit=TRACEBACKS)
+
+    async def serve(self, ws: WebSocket) -> None:
+        """One connection, from accept to close."""
+        config, drain = self.config, self.drain
         await ws.accept()
-        metrics.connections.inc()
+        self.metrics.connections.inc()
         if drain.draining:  # accepted just before the listener closed: the device fails over at once
             await _close_socket(ws, GOING_AWAY, DRAIN_REASON, timeout_s=CLOSE_GRACE_S)
             return
         key = id(ws)
         state = drain.register(key, lambda code, reason: _close_socket(ws, code, reason, timeout_s=CLOSE_GRACE_S))
+        send = self._sender(ws)
+        conn = Connection(self.worker, config, self.keys, self.info, send, self.services)
+        close: tuple[int, str] | None = (1000, "")  # the close frame to send; None: the client is gone
+        farewell: Message | None = None  # sent after the session is freed, before the close frame
+        try:
+            close = await self._converse(ws, conn, state, send)
+        except _SlowReader as slow:  # nothing more can be written: free the session now, then drop the socket
+            close = (POLICY_VIOLATION, str(slow))
+            await conn.demote()  # engine time for replies nobody reads: its key waits behind the others
+        except ConnectionDone as done:
+            close = (1000, str(done))
+        except WebSocketDisconnect:
+            close = None
+        except Exception:  # never let one session take the server down, nor flood the log
+            if _client_gone(ws):
+                log.debug("session %s: the device went away", conn.session_id or "-")
+                close = None
+            else:
+                self.failures.report(f"session {conn.session_id or '-'}")
+                self.metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
+                farewell = Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed")
+                close = (INTERNAL_ERROR, "internal server error")
+        finally:
+            drain.unregister(key)
+            try:  # the session first: its KV cells are free at once, whatever the socket does next
+                await conn.close()
+            except Exception:
+                self.failures.report(f"closing session {conn.session_id or '-'}")
+            if close is not None:
+                await _close_socket(ws, *close, farewell=farewell, timeout_s=min(config.send_timeout_s, CLOSE_GRACE_S))
+
+    def _sender(self, ws: WebSocket) -> Callable[[Message], Awaitable[None]]:
+        """The session's `send`: each frame within the connection's send budget, else `_SlowReader`."""
+        config, metrics = self.config, self.metrics
         budget = _SendBudget(ws.scope.get(_TRANSPORT), config.max_send_queue_bytes, config.send_timeout_s)
 
         async def send(msg: Message) -> None:
@@ -222,74 +298,57 @@ def create_app(config: ServerConfig) -> FastAPI:
                 metrics.rejections.labels("slow_reader").inc()
                 raise _SlowReader(overdrawn)
 
-        conn = Connection(worker, config, keys, info, send, services)
-        limiter = _RateLimit(config.max_messages_per_s)
-        close: tuple[int, str] | None = (1000, "")  # the close frame to send; None: the client is gone
-        farewell: Message | None = None  # sent after the session is freed, before the close frame
-        try:
-            while True:
-                state.waiting = True  # between requests: a drain may close it now
-                try:
-                    event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
-                except asyncio.TimeoutError:
-                    metrics.rejections.labels("idle").inc()
-                    close = (GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
-                    break
-                state.waiting = False
-                if event["type"] == "websocket.disconnect":
-                    close = None
-                    break
-                frame = event.get("bytes") if event.get("bytes") is not None else event.get("text", "")
-                try:
-                    if not limiter.allow():
-                        metrics.rejections.labels("message_rate").inc()
-                        raise ProtocolError(
-                            ErrorCode.BUSY, f"rate limit: at most {config.max_messages_per_s:g} messages per second"
-                        )
-                    await conn.on_message(_decode(frame, config.max_message_bytes))
-                except ProtocolError as exc:
-                    conn.n_errors += exc.code != ErrorCode.EXPLORE_LIMITED  # a declined exploration is no fault
-                    metrics.protocol_errors.labels(exc.code).inc()
-                    log.info("session %s: %s", conn.session_id or "-", exc)
-                    if exc.mtype == Hello.type and conn.seq is None:  # a broken hello: refused like any other
-                        metrics.rejections.labels(exc.code).inc()
-                        await send(Reject(code=exc.code, reason=exc.message))
-                        close = (POLICY_VIOLATION, exc.message)
-                        break
-                    await send(Error(code=exc.code, message=exc.message, request_id=_request_id(frame)))
-                    if conn.n_errors >= config.max_errors_per_connection:
-                        close = (POLICY_VIOLATION, "too many protocol errors")
-                        break
-                if drain.draining:  # the reply to this message is sent: the device fails over now
-                    metrics.drained.inc()
-                    close = (GOING_AWAY, DRAIN_REASON)
-                    break
-        except _SlowReader as slow:  # nothing more can be written: free the session now, then drop the socket
-            close = (POLICY_VIOLATION, str(slow))
-            await conn.demote()  # engine time for replies nobody reads: its key waits behind the others
-        except ConnectionDone as done:
-            close = (1000, str(done))
-        except WebSocketDisconnect:
-            close = None
-        except Exception:  # never let one session take the server down, nor flood the log
-            if _client_gone(ws):
-                log.debug("session %s: the device went away", conn.session_id or "-")
-                close = None
-            else:
-                failures.report(f"session {conn.session_id or '-'}")
-                metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
-                farewell = Error(code=ErrorCode.INTERNAL, message="internal server error; the session is closed")
-                close = (INTERNAL_ERROR, "internal server error")
-        finally:
-            drain.unregister(key)
-            try:  # the session first: its KV cells are free at once, whatever the socket does next
-                await conn.close()
-            except Exception:
-                failures.report(f"closing session {conn.session_id or '-'}")
-            if close is not None:
-                await _close_socket(ws, *close, farewell=farewell, timeout_s=min(config.send_timeout_s, CLOSE_GRACE_S))
+        return send
 
-    return app
+    async def _converse(
+        self, ws: WebSocket, conn: Connection, state: Any, send: Callable[[Message], Awaitable[None]]
+    ) -> tuple[int, str] | None:
+        """Hand the device's messages to the session until the conversation ends; returns the close
+        frame to send (None: the device is gone). `state`: the drain's record of this connection."""
+        config, metrics = self.config, self.metrics
+        limiter = _RateLimit(config.max_messages_per_s)
+        while True:
+            state.waiting = True  # between requests: a drain may close it now
+            try:
+                event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
+            except asyncio.TimeoutError:
+                metrics.rejections.labels("idle").inc()
+                return (GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
+            state.waiting = False
+            if event["type"] == "websocket.disconnect":
+                return None
+            frame = event.get("bytes") if event.get("bytes") is not None else event.get("text", "")
+            try:
+                if not limiter.allow():
+                    metrics.rejections.labels("message_rate").inc()
+                    raise ProtocolError(
+                        ErrorCode.BUSY, f"rate limit: at most {config.max_messages_per_s:g} messages per second"
+                    )
+                await conn.on_message(_decode(frame, config.max_message_bytes))
+            except ProtocolError as exc:
+                refused = await self._answer_error(exc, conn, send, frame)
+                if refused is not None:
+                    return refused
+            if self.drain.draining:  # the reply to this message is sent: the device fails over now
+                metrics.drained.inc()
+                return (GOING_AWAY, DRAIN_REASON)
+
+    async def _answer_error(
+        self, exc: ProtocolError, conn: Connection, send: Callable[[Message], Awaitable[None]], frame: str | bytes
+    ) -> tuple[int, str] | None:
+        """Tell the device what was wrong with its message; returns the close frame when that ends
+        the connection (a broken hello, too many errors), else None."""
+        conn.n_errors += exc.code != ErrorCode.EXPLORE_LIMITED  # a declined exploration is no fault
+        self.metrics.protocol_errors.labels(exc.code).inc()
+        log.info("session %s: %s", conn.session_id or "-", exc)
+        if exc.mtype == Hello.type and conn.seq is None:  # a broken hello: refused like any other
+            self.metrics.rejections.labels(exc.code).inc()
+            await send(Reject(code=exc.code, reason=exc.message))
+            return (POLICY_VIOLATION, exc.message)
+        await send(Error(code=exc.code, message=exc.message, request_id=_request_id(frame)))
+        if conn.n_errors >= self.config.max_errors_per_connection:
+            return (POLICY_VIOLATION, "too many protocol errors")
+        return None
 
 
 class _RateLimit:

@@ -7,6 +7,8 @@ import os
 import socket
 import sys
 
+from fastapi import FastAPI
+
 from cloud_server.app import create_app
 from cloud_server.auth import digest, load_keys
 from cloud_server.config import READY_LINE, ServerConfig
@@ -53,7 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_production_flags(s: argparse.ArgumentParser) -> None:
     """Scheduling, KV budget, limits, quotas, audit and remote-engine options (docs/server.md)."""
     d = ServerConfig()
-    g = s.add_argument_group("scheduling and KV budget")
+    _add_scheduling_flags(s.add_argument_group("scheduling and KV budget"), d)
+    limits = s.add_argument_group("limits and quotas")
+    _add_connection_limits(limits, d)
+    _add_key_quotas(limits, d)
+    # tests: small kernel buffers show backpressure (hidden from --help)
+    limits.add_argument("--socket-sndbuf", type=int, default=0, help=argparse.SUPPRESS)
+    _add_audit_flags(s.add_argument_group("audit log"), d)
+    remote = s.add_argument_group("remote engine (OpenAI-compatible completions: vLLM, SGLang, llama.cpp server)")
+    _add_remote_engine_flags(remote, d)
+    # the log format is listed in this group by --help, as it always was
+    remote.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="json: one structured object per line"
+    )
+
+
+def _add_scheduling_flags(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
+    """How sessions share the engine: KV slots and eviction, batch sizes, GPU offload."""
     g.add_argument(
         "--kv-slots", type=int, default=None, help="sessions holding KV cells at once (default: --max-sessions)"
     )
@@ -86,7 +104,10 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         default=d.kv_layout,
         help="split: each slot holds n_ctx/kv_slots cells, attention per session only (recommended for many sessions)",
     )
-    g = s.add_argument_group("limits and quotas")
+
+
+def _add_connection_limits(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
+    """What one connection may ask and how long it may idle or leave replies unread."""
     g.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
     g.add_argument(
         "--max-messages-per-s", type=float, default=d.max_messages_per_s, help="per connection (bursts of 2x)"
@@ -110,6 +131,10 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         default=d.max_send_queue_bytes,
         help="disconnect a device that leaves more than this many bytes of replies unread",
     )
+
+
+def _add_key_quotas(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
+    """Each key's defaults (sessions, tokens, cloud share, KV churn, exploration) and the routing watch's alarms."""
     g.add_argument("--key-max-sessions", type=int, default=None, help="default per-key concurrent sessions")
     g.add_argument("--key-tokens-per-minute", type=int, default=None, help="default per-key cloud tokens per minute")
     g.add_argument(
@@ -151,15 +176,16 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
         default=d.abuse_warmup_tokens,
         help="tokens before the cloud-fraction cap applies",
     )
-    g.add_argument(
-        "--socket-sndbuf", type=int, default=0, help=argparse.SUPPRESS
-    )  # tests: small kernel buffers show backpressure
-    g = s.add_argument_group("audit log")
+
+
+def _add_audit_flags(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
     g.add_argument("--audit-dir", help="keep per-session routing logs here")
     g.add_argument("--audit-sample-rate", type=float, default=d.audit_sample_rate)
     g.add_argument("--audit-retention-days", type=float, default=d.audit_retention_days)
     g.add_argument("--audit-token-ids", action="store_true", help="also store token ids (off: privacy)")
-    g = s.add_argument_group("remote engine (OpenAI-compatible completions: vLLM, SGLang, llama.cpp server)")
+
+
+def _add_remote_engine_flags(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
     g.add_argument(
         "--remote-url", help="e.g. http://vllm:8000/v1; --model then names a GGUF of the same model for its tokenizer"
     )
@@ -178,9 +204,6 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--remote-timeout", type=float, default=d.remote_timeout_s, help="seconds one engine request may take"
     )
-    g.add_argument(
-        "--log-format", choices=("text", "json"), default="text", help="json: one structured object per line"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,7 +217,22 @@ def main(argv: list[str] | None = None) -> None:
             pin_to_cpus(args.cpus)
         except ValueError as exc:
             sys.exit(f"tokenrouter-cloud: --cpus: {exc}")
-    config = ServerConfig(
+    config = config_from_args(args)
+    try:
+        app = create_app(config)
+    except (ModelNotFoundError, ValueError) as exc:
+        sys.exit(f"tokenrouter-cloud: {exc}")
+    sock = _listen(args.host, args.port, args.socket_sndbuf)
+    port = sock.getsockname()[1]
+    server = _draining_server(app, config, args)
+    scheme = "wss" if args.ssl_certfile else "ws"
+    print(f"{READY_LINE} url={scheme}://{args.host}:{port}/v1/route port={port}", flush=True)
+    server.run(sockets=[sock])
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from `serve`'s flags (an API key file is read here)."""
+    return ServerConfig(
         model=args.model,
         api_keys=load_keys(args.api_keys),
         insecure=args.insecure,
@@ -235,23 +273,27 @@ def main(argv: list[str] | None = None) -> None:
         remote_verify=args.remote_verify,
         remote_timeout_s=args.remote_timeout,
     )
-    import uvicorn
 
-    try:
-        app = create_app(config)
-    except (ModelNotFoundError, ValueError) as exc:
-        sys.exit(f"tokenrouter-cloud: {exc}")
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+
+def _listen(host: str, port: int, sndbuf: int) -> socket.socket:
+    """The listening socket, bound before the ready line: early connections queue instead of failing."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if args.socket_sndbuf:  # accepted sockets inherit it
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.socket_sndbuf)
+    if sndbuf:  # accepted sockets inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((host, port))
         sock.listen(2048)  # listening before the ready line: early connections queue instead of failing
     except OSError as exc:
-        sys.exit(f"tokenrouter-cloud: cannot listen on {args.host}:{args.port}: {exc.strerror}")
-    port = sock.getsockname()[1]
-    server = DrainingServer(
+        sys.exit(f"tokenrouter-cloud: cannot listen on {host}:{port}: {exc.strerror}")
+    return sock
+
+
+def _draining_server(app: FastAPI, config: ServerConfig, args: argparse.Namespace) -> DrainingServer:
+    """uvicorn serving `app`, which on SIGTERM drains its sessions first (cloud_server/drain.py)."""
+    import uvicorn
+
+    return DrainingServer(
         app.state.drain,
         config.drain_timeout_s,
         uvicorn.Config(
@@ -265,9 +307,6 @@ def main(argv: list[str] | None = None) -> None:
             ssl_keyfile=args.ssl_keyfile,
         ),
     )
-    scheme = "wss" if args.ssl_certfile else "ws"
-    print(f"{READY_LINE} url={scheme}://{args.host}:{port}/v1/route port={port}", flush=True)
-    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import contextlib
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -321,8 +321,7 @@ class RoutedGenerator:
             shared_history=cloud.shared_history if use_cloud else "",
         )
         sessions = [cloud, *self.tiers] if use_cloud else [cloud]
-        traffic0 = [s.traffic() for s in sessions]
-        timeouts0, declined0 = sum(s.timeouts for s in sessions), cloud.explore_declined
+        before = _CloudCounters.read(sessions)
         turn = Turn(
             model=self.edge,
             decoder=self.decoder,
@@ -349,11 +348,20 @@ class RoutedGenerator:
         while not turn.finished():
             self._strategy(turn, mode, use_cloud).run(turn)
         turn.out.finish(turn.stopped(), turn.router_ms)
-        answer.cloud_timeouts = sum(s.timeouts for s in sessions) - timeouts0
-        answer.explore_declined = cloud.explore_declined - declined0
+        self._complete_answer(answer, turn, sessions, before, use_cloud)
+        return answer
+
+    def _complete_answer(
+        self, answer: Answer, turn: Turn, sessions: list[CloudSession], before: _CloudCounters, use_cloud: bool
+    ) -> None:
+        """Once the answer is written: what the cloud sessions cost it (counters since `before`), whether
+        it was degraded, which tier wrote each token, the router's drift and the base-model warnings."""
+        cloud = sessions[0]
+        answer.cloud_timeouts = sum(s.timeouts for s in sessions) - before.timeouts
+        answer.explore_declined = cloud.explore_declined - before.explore_declined
         answer.degraded = answer.degraded or (use_cloud and not cloud.up)
         answer.degraded_reason = (cloud.last_error or "the cloud was lost") if answer.degraded else ""
-        spent = [s.traffic() - t0 for s, t0 in zip(sessions, traffic0)]
+        spent = [s.traffic() - t0 for s, t0 in zip(sessions, before.traffic)]
         answer.traffic = sum(spent, Traffic())
         answer.tier_work = [Work(), *(t.work for t in spent)] if use_cloud else []
         answer.lost_tiers = turn.lost_tiers()
@@ -364,7 +372,6 @@ class RoutedGenerator:
         answer.warnings = base_model_warnings(
             self.edge.info, bool(answer.cloud_model) and any(s.cloud_base_model for s in sessions)
         )
-        return answer
 
     def _strategy(self, turn: Turn, mode: str, use_cloud: bool) -> Strategy:
         """The strategy for the next clause (or position)."""
@@ -381,6 +388,20 @@ class RoutedGenerator:
         ):  # replay's span and verify strategies share tokens only (docs/protocol.md)
             return PER_TOKEN_STRATEGIES["per-token"]
         return self._per_token
+
+
+@dataclass(slots=True, frozen=True)
+class _CloudCounters:
+    """The cloud sessions' running counters at the start of an answer, so the answer reports its own share."""
+
+    traffic: list[Traffic]
+    timeouts: int
+    explore_declined: int
+
+    @classmethod
+    def read(cls, sessions: list[CloudSession]) -> _CloudCounters:
+        """`sessions`: the cloud's first, then the tiers above it."""
+        return cls([s.traffic() for s in sessions], sum(s.timeouts for s in sessions), sessions[0].explore_declined)
 
 
 _DEVICE_ONLY = DeviceOnly()

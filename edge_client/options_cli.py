@@ -19,6 +19,22 @@ D = GeneratorOptions()  # every flag's default is the option's: written once, in
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that generates (ask, and the voice commands)."""
+    _add_cloud_options(p)
+    _add_model_options(p)
+    _add_routing_options(p)
+    _add_sampling_options(p)
+    _add_link_options(p)
+    _add_cloud_help_options(p)
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the system prompt (default: the generator's for `ask`; the voice dialogue's, written for speech, "
+        "for `listen`, `file` and `app`)",
+    )
+
+
+def _add_cloud_options(p: argparse.ArgumentParser) -> None:
+    """Where the cloud is: its URL, the tiers above it and which of them are kept in step, the API key."""
     p.add_argument(
         "--cloud", default=D.cloud, help="ws:// URL of a cloud server, 'local' (start one on loopback) or 'none'"
     )
@@ -44,6 +60,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "router expects soon (forecast)",
     )
     p.add_argument("--api-key", default=D.api_key, help="API key for a remote cloud (default $TOKENROUTER_API_KEY)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The device's model and the local cloud server's."""
     p.add_argument("--edge-model", default=D.edge_model, help="registered name or .gguf path")
     p.add_argument("--cloud-model", default=D.cloud_model, help="model of the local cloud server")
     p.add_argument(
@@ -53,6 +73,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         help="let a base model (no chat template; `tokenrouter-edge models` marks them) write answers: it "
         "continues text, so its answers may not read as answers (refused without this flag)",
     )
+
+
+def _add_routing_options(p: argparse.ArgumentParser) -> None:
+    """Which positions go to the cloud: the policy, its router and threshold, the decision engine, exploration."""
     p.add_argument("--policy", choices=["edge", "cloud", "router"], default=D.policy)
     g = p.add_mutually_exclusive_group()
     g.add_argument(
@@ -100,10 +124,18 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hysteresis", type=float, default=D.hysteresis, help="keep routing until the score drops below T - H"
     )
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """How the answer is sampled, and how long it may be."""
     p.add_argument("--max-tokens", type=int, default=D.max_tokens)
     p.add_argument("--temperature", type=float, default=D.temperature, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=D.top_p)
     p.add_argument("--seed", type=int, default=D.seed)
+
+
+def _add_link_options(p: argparse.ArgumentParser) -> None:
+    """How the device keeps the cloud in step and rides out a lost replica."""
     p.add_argument(
         "--sync-every",
         type=int,
@@ -128,6 +160,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         default=D.reconnect_wait_s,
         help="seconds one failover may try (jittered backoff) before the device finishes alone",
     )
+
+
+def _add_cloud_help_options(p: argparse.ArgumentParser) -> None:
+    """What the cloud adds beyond a routed token: its lookahead guess, its check, the answer shared as text."""
     p.add_argument(
         "--no-lookahead", action="store_true", help="do not use the cloud's guess for the token after each cloud token"
     )
@@ -160,12 +196,6 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         default=D.text_mode,
         help="share the answer as text with the cloud (protocol v3): auto (where the models' tokenizers differ), "
         "always, never (a tokenizer mismatch is refused)",
-    )
-    p.add_argument(
-        "--system-prompt",
-        default=None,
-        help="the system prompt (default: the generator's for `ask`; the voice dialogue's, written for speech, "
-        "for `listen`, `file` and `app`)",
     )
 
 

@@ -20,7 +20,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from edge_client.answer import Answer
@@ -30,7 +30,7 @@ from edge_client.options import GeneratorOptions
 from edge_client.replay.audio import AudioReplayer, GeneratorAdapter, voice_unavailable
 from edge_client.replay.fleet_cli import main as simulate_main
 from edge_client.replay.metrics import CloudScorer, rouge_l
-from edge_client.replay.netem import PROFILES, NetemProxy, get_profile
+from edge_client.replay.netem import PROFILES, NetemProxy, NetProfile, get_profile
 from edge_client.replay.policies import DEFAULT_POLICIES, Runner, parse_policies, replay_defaults
 from edge_client.replay.report import json_summary, machine_info, markdown, write_report
 from edge_client.replay.sessions import Session, SessionError, load_sessions
@@ -81,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-only", action="store_true", help="rewrite the report from --out's results without replaying"
     )
     g = p.add_argument_group("models and routing")
+    _add_model_options(g)
+    _add_decoding_options(g)
+    _add_cpu_options(g)
+    n = p.add_argument_group("network overrides (applied to the profile)")
+    n.add_argument("--rtt-ms", type=float)
+    n.add_argument("--jitter-ms", type=float)
+    n.add_argument("--stall-prob", type=float)
+    n.add_argument("--stall-ms", type=float)
+    n.add_argument("--up-mbps", type=float)
+    n.add_argument("--down-mbps", type=float)
+    return p
+
+
+def _add_model_options(g: argparse._ArgumentGroup) -> None:
+    """The model pair, the router and its threshold, the decision engine, the tiers above the cloud."""
     g.add_argument("--edge-model", default=D.edge_model)
     g.add_argument("--cloud-model", default=D.cloud_model)
     g.add_argument(
@@ -118,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the GPU cost model's size of each cloud tier, the cloud first, in billions (default: 70.6 for the "
         "cloud alone; with --tier, 8 below a 70.6 top)",
     )
+
+
+def _add_decoding_options(g: argparse._ArgumentGroup) -> None:
+    """The policies' own knobs (query, span, drafts, check, sync) and how answers are sampled."""
     g.add_argument("--query-threshold", type=float, default=None, help="query policy threshold (default --threshold)")
     g.add_argument("--span", type=int, default=D.span, help="router-span: tokens per cloud call")
     g.add_argument(
@@ -136,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-tokens", type=int, default=48)
     g.add_argument("--temperature", type=float, default=D.temperature)
+
+
+def _add_cpu_options(g: argparse._ArgumentGroup) -> None:
+    """Threads, and the CPUs each side runs on."""
     g.add_argument("--threads", type=int, default=D.threads, help="llama.cpp threads on each side (device, cloud)")
     g.add_argument(
         "--device-cpus",
@@ -144,14 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
         "with cores to spare, the cloud's decodes stop taking the device's cores, as on other hardware",
     )
     g.add_argument("--cloud-cpus", metavar="LIST", help="run the loopback cloud server on these CPUs only (2,3; Linux)")
-    n = p.add_argument_group("network overrides (applied to the profile)")
-    n.add_argument("--rtt-ms", type=float)
-    n.add_argument("--jitter-ms", type=float)
-    n.add_argument("--stall-prob", type=float)
-    n.add_argument("--stall-ms", type=float)
-    n.add_argument("--up-mbps", type=float)
-    n.add_argument("--down-mbps", type=float)
-    return p
 
 
 def check_audio_available() -> None:
@@ -333,28 +348,15 @@ def report_only(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Replay what the command line asks (resuming an earlier run of the same options) and write the
+    report; returns the report object."""
     if args.report_only:
         return report_only(args)
     if args.audio:
         check_audio_available()
     specs = parse_policies(args.policies)
-    profile = get_profile(
-        args.profile,
-        rtt_ms=args.rtt_ms,
-        jitter_ms=args.jitter_ms,
-        stall_prob=args.stall_prob,
-        stall_ms=args.stall_ms,
-        up_mbps=args.up_mbps,
-        down_mbps=args.down_mbps,
-    )
-    if args.max_tokens < 1 or args.span < 1 or args.draft_max < 1:
-        raise ReplayError("--max-tokens, --span and --draft-max must be >= 1")
-    if not 0.0 < args.check_nats < float("inf"):
-        raise ReplayError("--check-nats must be a finite number of nats > 0")
-    if args.cloud_cpus:
-        parse_cpus(args.cloud_cpus)  # a bad list is refused before any work, not when the server starts
-    if args.device_cpus:
-        pin_to_cpus(args.device_cpus)
+    profile = _profile(args)
+    _check_options(args)
     sessions = load_sessions(args.sessions, args.split, args.limit, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     config = _config(args, profile)
@@ -362,23 +364,7 @@ def run(args: argparse.Namespace) -> dict:
     settle = settle_seconds(profile, args.settle_ms)
     done = {r["session"] for r in rows}
     todo = [s for s in sessions if s.id not in done]
-    opts = replay_defaults(
-        router=args.router,
-        decision_engine=args.decision_engine,
-        threshold=args.threshold,
-        cloud_fraction=args.cloud_fraction,
-        sync_every=args.sync_every,
-        span=args.span,
-        check_max_draft=args.draft_max,
-        check_nats=args.check_nats,
-        temperature=args.temperature,
-        seed=args.seed,
-        threads=args.threads,
-        edge_model=args.edge_model,
-        cloud_model=args.cloud_model,
-        tiers=tuple(f"local:{m}" for m in args.tier or ()),  # names each tier's shipped router
-        max_tokens=args.max_tokens,
-    )
+    opts = _generator_options(args)
     edge_info, cloud_info = model_info(args.edge_model), model_info(args.cloud_model)
     meta = {
         "machine": machine_info(),
@@ -396,15 +382,9 @@ def run(args: argparse.Namespace) -> dict:
     runners: list[Runner] = []
     voice = None
     try:
-        cloud = emulated_cloud(args.cloud_model, profile, args.seed, args.threads, args.cloud_cpus or "")
-        with cloud as (url, key, proxy), contextlib.ExitStack() as stack:
-            tiers = [  # each tier above the cloud: its own server behind its own emulator, on the same profile
-                stack.enter_context(emulated_cloud(m, profile, args.seed + k, args.threads, args.cloud_cpus or ""))
-                for k, m in enumerate(args.tier or (), 1)
-            ]
+        with _emulated_clouds(args, profile) as (url, key, proxy, tiers):
+            connect, tier_connects = _connectors(url, key, tiers, opts.cloud_timeout_s)
             for spec in specs:
-                connect = lambda: CloudLink(url, key, timeout_s=opts.cloud_timeout_s)  # noqa: E731
-                tier_connects = [lambda u=u, k=k: CloudLink(u, k, timeout_s=opts.cloud_timeout_s) for u, k, _ in tiers]
                 runners.append(
                     Runner(spec, edge, connect, opts, query_threshold=args.query_threshold, tier_connects=tier_connects)
                 )
@@ -415,16 +395,7 @@ def run(args: argparse.Namespace) -> dict:
                 adapters = [GeneratorAdapter(r, edge) for r in runners]
                 voice = (AudioReplayer(adapters[0], args.max_tokens), adapters)
             proxy.reset_stats()
-            with _progress(len(todo), args.no_progress) as advance:
-                with (args.out / "results.jsonl").open("a") as fh:
-                    for idx, session in enumerate(todo):
-                        order = [(idx + j) % len(runners) for j in range(len(runners))]
-                        results = replay_session(session, runners, order, args.max_tokens, voice, settle)
-                        new = score_session(session, results, scorer, args.max_tokens)
-                        fh.write(json.dumps({"session": session.id, "rows": new}) + "\n")
-                        fh.flush()
-                        rows.extend(new)
-                        advance()
+            _replay_remaining(todo, runners, voice, scorer, settle, args, rows)
             meta["network"] = proxy.summary()
             (args.out / "meta.json").write_text(json.dumps(meta, indent=2))
     finally:
@@ -441,6 +412,100 @@ def run(args: argparse.Namespace) -> dict:
     meta["turns"] = len([r for r in rows if r["policy"] == specs[0].name])
     write_traces(args.out / "traces.jsonl", traces_from_rows(rows))  # for `tokenrouter-replay simulate`
     return write_report(rows, [s.name for s in specs], meta, args.out, make_plots=not args.no_plots)
+
+
+def _profile(args: argparse.Namespace) -> NetProfile:
+    """The emulated network: the named profile with the command line's overrides."""
+    return get_profile(
+        args.profile,
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        stall_prob=args.stall_prob,
+        stall_ms=args.stall_ms,
+        up_mbps=args.up_mbps,
+        down_mbps=args.down_mbps,
+    )
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse impossible options before any work; pin the device side to its CPUs."""
+    if args.max_tokens < 1 or args.span < 1 or args.draft_max < 1:
+        raise ReplayError("--max-tokens, --span and --draft-max must be >= 1")
+    if not 0.0 < args.check_nats < float("inf"):
+        raise ReplayError("--check-nats must be a finite number of nats > 0")
+    if args.cloud_cpus:
+        parse_cpus(args.cloud_cpus)  # a bad list is refused before any work, not when the server starts
+    if args.device_cpus:
+        pin_to_cpus(args.device_cpus)
+
+
+def _generator_options(args: argparse.Namespace) -> GeneratorOptions:
+    """The options every policy's generator starts from (each policy then sets its own)."""
+    return replay_defaults(
+        router=args.router,
+        decision_engine=args.decision_engine,
+        threshold=args.threshold,
+        cloud_fraction=args.cloud_fraction,
+        sync_every=args.sync_every,
+        span=args.span,
+        check_max_draft=args.draft_max,
+        check_nats=args.check_nats,
+        temperature=args.temperature,
+        seed=args.seed,
+        threads=args.threads,
+        edge_model=args.edge_model,
+        cloud_model=args.cloud_model,
+        tiers=tuple(f"local:{m}" for m in args.tier or ()),  # names each tier's shipped router
+        max_tokens=args.max_tokens,
+    )
+
+
+@contextlib.contextmanager
+def _emulated_clouds(
+    args: argparse.Namespace, profile: NetProfile
+) -> Iterator[tuple[str, str, NetemProxy, list[tuple[str, str, NetemProxy]]]]:
+    """The cloud and each tier above it (`--tier`): its own loopback server behind its own network
+    emulator, on the same profile. Yields the cloud's (URL, API key, proxy) and the tiers' such triples."""
+    cpus = args.cloud_cpus or ""
+    cloud = emulated_cloud(args.cloud_model, profile, args.seed, args.threads, cpus)
+    with cloud as (url, key, proxy), contextlib.ExitStack() as stack:
+        tiers = [
+            stack.enter_context(emulated_cloud(m, profile, args.seed + k, args.threads, cpus))
+            for k, m in enumerate(args.tier or (), 1)
+        ]
+        yield url, key, proxy, tiers
+
+
+def _connectors(
+    url: str, key: str, tiers: list[tuple[str, str, NetemProxy]], timeout_s: float
+) -> tuple[Callable[[], CloudLink], list[Callable[[], CloudLink]]]:
+    """How a runner opens its link to the cloud, and to each tier above it."""
+    connect = lambda: CloudLink(url, key, timeout_s=timeout_s)  # noqa: E731
+    tier_connects = [lambda u=u, k=k: CloudLink(u, k, timeout_s=timeout_s) for u, k, _ in tiers]
+    return connect, tier_connects
+
+
+def _replay_remaining(
+    todo: list[Session],
+    runners: list[Runner],
+    voice: tuple | None,
+    scorer: CloudScorer,
+    settle_s: float,
+    args: argparse.Namespace,
+    rows: list[dict],
+) -> None:
+    """Replay and score the sessions not done yet, each appended to results.jsonl as it ends (what a
+    rerun resumes from) and to `rows`. The policies' order rotates session by session."""
+    with _progress(len(todo), args.no_progress) as advance:
+        with (args.out / "results.jsonl").open("a") as fh:
+            for idx, session in enumerate(todo):
+                order = [(idx + j) % len(runners) for j in range(len(runners))]
+                results = replay_session(session, runners, order, args.max_tokens, voice, settle_s)
+                new = score_session(session, results, scorer, args.max_tokens)
+                fh.write(json.dumps({"session": session.id, "rows": new}) + "\n")
+                fh.flush()
+                rows.extend(new)
+                advance()
 
 
 @contextlib.contextmanager

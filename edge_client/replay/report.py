@@ -107,10 +107,24 @@ def _fmt(x: Any, nd: int = 1) -> str:
 
 
 def markdown(report: dict) -> str:
+    """report.md: the run's setting, then a table per section."""
     pol = report["policies"]
-    net = report["network"]
-    prof = net["profile"]
     lines = [
+        *_setting(report),
+        *_latency_section(pol),
+        *_cost_section(pol),
+        *_cloud_work_section(pol),
+        *_stages_section(pol),
+        *_goals_section(report["goals"]),
+        *_emulator_section(report["network"]),
+    ]
+    return "\n".join(lines)
+
+
+def _setting(report: dict) -> list[str]:
+    """What was replayed, over which network, on which machine, with which models and router."""
+    prof = report["network"]["profile"]
+    return [
         f"# Replay report: profile `{prof['name']}`",
         "",
         f"{report['sessions']} sessions, {report['turns']} turns per policy; policies interleaved session by session.",
@@ -123,6 +137,11 @@ def markdown(report: dict) -> str:
             if report["config"].get("cloud_fraction") is not None
             else f"threshold {report['config']['threshold']}."
         ),
+    ]
+
+
+def _latency_section(pol: dict[str, dict]) -> list[str]:
+    lines = [
         "",
         "## Latency",
         "",
@@ -134,15 +153,17 @@ def markdown(report: dict) -> str:
             f"| {p} | {_fmt(s['ttft_ms_p50'])} | {_fmt(s['ttft_ms_p95'])} | {_fmt(s['first_clause_ms_p50'])} | {_fmt(s['first_clause_ms_p95'])} "
             f"| {_fmt(s['per_token_ms_p50'])} | {_fmt(s['per_token_ms_p95'])} | {_fmt(s['tokens_per_s'])} | {_fmt(s['answered_within_150ms'], 2)} |"
         )
-    if any(s["eos_to_first_audio_ms_p50"] is not None for s in pol.values()):
+    if any(s["eos_to_first_audio_ms_p50"] is not None for s in pol.values()):  # spoken sessions (--audio)
         lines += ["", "| policy | end of speech -> first audio p50 | p95 |", "|---|---|---|"]
         lines += [
             f"| {p} | {_fmt(s['eos_to_first_audio_ms_p50'])} | {_fmt(s['eos_to_first_audio_ms_p95'])} |"
             for p, s in pol.items()
         ]
-    lines += [
-        "",
-        "Times in ms, measured when a token is released to the user.",
+    return [*lines, "", "Times in ms, measured when a token is released to the user."]
+
+
+def _cost_section(pol: dict[str, dict]) -> list[str]:
+    lines = [
         "",
         "## Cost and quality",
         "",
@@ -155,7 +176,11 @@ def markdown(report: dict) -> str:
             f"| {_fmt(s['bytes_up_per_token'])} | {_fmt(s['bytes_down_per_token'])} | {_fmt(s['round_trips_per_answer'], 2)} "
             f"| {_fmt(s['cloud_nll'], 3)} | {_fmt(s['quality_gap_recovered'], 2)} | {_fmt(s['rouge_l_vs_cloud'], 3)} |"
         )
-    lines += [
+    return lines
+
+
+def _cloud_work_section(pol: dict[str, dict]) -> list[str]:
+    lines = [
         "",
         "## The cloud's work (units that carry over to a GPU)",
         "",
@@ -171,11 +196,17 @@ def markdown(report: dict) -> str:
             f"| {_fmt(k['verify'], 3)} | {_fmt(k['guess'], 3)} | {_fmt(s['engine_requests_per_answer'], 2)} "
             f"| {_fmt(s['gpu_s_per_1k_model'], 2)} | {_fmt(s['cloud_compute_s_per_1k'], 3)} |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         "A pass reads the cloud model's weights once, whatever its number of tokens; counts come from the "
         "server's replies. GPU-seconds: the cost model of docs/server.md (70B on 4 x H100; with `--tier`, each tier "
         "at its `--tier-sizes`), not a measurement.",
+    ]
+
+
+def _stages_section(pol: dict[str, dict]) -> list[str]:
+    lines = [
         "",
         "## Where the time goes (mean ms per answer)",
         "",
@@ -187,33 +218,47 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {p} | {_fmt(st['device_ms'])} | {_fmt(st['network_ms'])} | {_fmt(st['cloud_ms'])} | {s['degraded_turns']} |"
         )
-    if report["goals"]:
-        lines += [
-            "",
-            "## Goals (router policies)",
-            "",
-            "| policy | first clause <= 1.3x edge | compute <= 35% of cloud | >= 80% of quality gap | all |",
-            "|---|---|---|---|---|",
-        ]
-        for p, g in report["goals"].items():
-            lines.append(
-                f"| {p} | {_fmt(g['first_clause_within_1.3x_edge'])} | {_fmt(g['compute_at_most_35pct_of_cloud'])} | {_fmt(g['recovers_80pct_of_quality_gap'])} | {_fmt(g['all'])} |"
-            )
-    up, down = net["up"], net["down"]
-    lines += [
+    return lines
+
+
+def _goals_section(goals: dict[str, dict]) -> list[str]:
+    """The router policies' goals (`goals`); none without a router policy."""
+    if not goals:
+        return []
+    lines = [
+        "",
+        "## Goals (router policies)",
+        "",
+        "| policy | first clause <= 1.3x edge | compute <= 35% of cloud | >= 80% of quality gap | all |",
+        "|---|---|---|---|---|",
+    ]
+    for p, g in goals.items():
+        lines.append(
+            f"| {p} | {_fmt(g['first_clause_within_1.3x_edge'])} | {_fmt(g['compute_at_most_35pct_of_cloud'])} | {_fmt(g['recovers_80pct_of_quality_gap'])} | {_fmt(g['all'])} |"
+        )
+    return lines
+
+
+def _emulator_section(net: dict) -> list[str]:
+    """How closely the network emulator kept to its plan: its own delay on top of the profile's."""
+    lines = [
         "",
         "## The emulator's own delay",
         "",
         "| direction | chunks | stalls | planned mean | achieved mean | achieved p95 | overhead p50 | overhead p95 | overhead max |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, d in (("up", up), ("down", down)):
+    for name, d in (("up", net["up"]), ("down", net["down"])):
         lines.append(
             f"| {name} | {d['chunks']} | {d['stalls']} | {_fmt(d['planned_ms_mean'], 2)} | {_fmt(d['achieved_ms_mean'], 2)} | {_fmt(d['achieved_ms_p95'], 2)} "
             f"| {_fmt(d['overhead_ms_p50'], 2)} | {_fmt(d['overhead_ms_p95'], 2)} | {_fmt(d['overhead_ms_max'], 2)} |"
         )
-    lines += ["", "Overhead = time a chunk was written after its scheduled release (the proxy's own added delay).", ""]
-    return "\n".join(lines)
+    return [
+        *lines,
+        "",
+        "Overhead = time a chunk was written after its scheduled release (the proxy's own added delay).",
+        "",
+    ]
 
 
 # --------------------------------------------------------------------------- plots

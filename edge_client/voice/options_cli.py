@@ -18,7 +18,16 @@ V, T, TTS, VAD, DLG = VoiceOptions(), TurnOptions(), TtsOptions(), VadOptions(),
 
 
 def add_voice_options(p: argparse.ArgumentParser) -> None:
+    """The `voice` flag group of `listen`, `file` and `app`; `voice_options_from_args` reads it."""
     g = p.add_argument_group("voice")
+    _add_listening_options(g)
+    _add_turn_options(g)
+    _add_reply_options(g)
+
+
+def _add_listening_options(g: argparse._ArgumentGroup) -> None:
+    """When speech opens and closes a turn (VAD), when it interrupts the reply, and what partial
+    transcripts start early."""
     g.add_argument(
         "--stop-delay-ms", type=int, default=VAD.stop_delay_ms, help="silence that ends a turn (default %(default)s)"
     )
@@ -43,6 +52,10 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not prefill the prompt from partial transcripts (they also reach the cloud early, words the person may still change)",
     )
+
+
+def _add_turn_options(g: argparse._ArgumentGroup) -> None:
+    """The end of a turn: Smart Turn, the transcript's cues and the device model's P(end), and the waits they set."""
     g.add_argument(
         "--turn-mode",
         choices=("smart", "silence"),
@@ -103,6 +116,10 @@ def add_voice_options(p: argparse.ArgumentParser) -> None:
         default=T.on_missing,
         help="when the Smart Turn file is missing: stop with what to install (default), or fall back to silence, visibly",
     )
+
+
+def _add_reply_options(g: argparse._ArgumentGroup) -> None:
+    """The spoken reply: drafting while the person speaks, the pieces speech is cut into, the history and length."""
     g.add_argument(
         "--draft",
         action="store_true",

@@ -72,28 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--log-level", default="warning")
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_label_parser(sub)
+    _add_fit_parser(sub)
+    _add_eval_parser(sub)
+    _add_recheck_parser(sub)
+    _add_reproduce_parser(sub)
+    return ap
 
-    def models(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
-        p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
-        p.add_argument("--max-tokens", type=int, default=48, help="answer tokens per prompt")
-        p.add_argument(
-            "--threads", type=int, default=1, help="llama.cpp threads (1 is fastest on a busy 2-core machine)"
-        )
 
-    def prompt_source(p: argparse.ArgumentParser, default_split: str) -> None:
-        p.add_argument(
-            "--split", action="append", help=f"CLINC150 split, NAME or NAME:COUNT, repeatable (default {default_split})"
-        )
-        p.add_argument("--prompts", metavar="FILE", help="one prompt per line (instead of CLINC150)")
-        p.add_argument("--limit", type=int, default=None, help="prompts per split (even stride through it)")
-        p.add_argument(
-            "--offset", type=int, default=0, help="shift the stride (keeps two selections of one split apart)"
-        )
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model pair and how long each answer runs: what `label` and `eval` decode with."""
+    p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
+    p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
+    p.add_argument("--max-tokens", type=int, default=48, help="answer tokens per prompt")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (1 is fastest on a busy 2-core machine)")
 
+
+def _add_prompt_source(p: argparse.ArgumentParser, default_split: str) -> None:
+    """Which prompts `label` and `eval` read: CLINC150 splits or a file (`_prompts` reads them)."""
+    p.add_argument(
+        "--split", action="append", help=f"CLINC150 split, NAME or NAME:COUNT, repeatable (default {default_split})"
+    )
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line (instead of CLINC150)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per split (even stride through it)")
+    p.add_argument("--offset", type=int, default=0, help="shift the stride (keeps two selections of one split apart)")
+
+
+def _add_label_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("label", help="run both models over prompts and write labelled shards")
-    models(p)
-    prompt_source(p, "train")
+    _add_model_options(p)
+    _add_prompt_source(p, "train")
     p.add_argument("--out", required=True, type=Path, help="shard directory (existing shards are kept: resumable)")
     p.add_argument("--prompts-per-shard", type=int, default=16)
     p.add_argument("--window", type=int, default=8, help="cloud rollout tokens per mismatch (divergence label)")
@@ -105,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="label the paths this router file routes (at 10-50%% cloud) instead of the cloud's path (DAgger-style)",
     )
 
+
+def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fit", help="train the router MLP and export a numpy router file")
     p.add_argument("--train", nargs="+", required=True, help="shard files or directories (labelled or live)")
     p.add_argument(
@@ -136,9 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", type=Path, default=None, help="training report path stem (default: next to --out)")
 
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="quality vs cloud fraction by real routed decoding")
-    models(p)
-    prompt_source(p, "val")
+    _add_model_options(p)
+    _add_prompt_source(p, "val")
     p.add_argument(
         "--router",
         type=Path,
@@ -162,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROUTER",
         help="another learned router file to evaluate side by side in the same run (repeatable)",
     )
+    _add_eval_rule_options(p)
+    p.add_argument(
+        "--fraction",
+        type=float,
+        action="append",
+        default=[],
+        metavar="F",
+        help="evaluate only these target cloud fractions (repeatable; default 0.1 ... 0.9)",
+    )
+    _add_eval_engine_options(p)
+
+
+def _add_eval_rule_options(p: argparse.ArgumentParser) -> None:
+    """The generator's rule on top of a method: the cloud's lookahead guess and its check (shared/decision.py)."""
     p.add_argument(
         "--lookahead",
         action="append",
@@ -209,14 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         "is written with lookahead (METHOD+verify@NATS:after-first-clause; the generator's --check after-first-clause); repeatable",
     )
 
-    p.add_argument(
-        "--fraction",
-        type=float,
-        action="append",
-        default=[],
-        metavar="F",
-        help="evaluate only these target cloud fractions (repeatable; default 0.1 ... 0.9)",
-    )
+
+def _add_eval_engine_options(p: argparse.ArgumentParser) -> None:
+    """Who takes the decisions in `eval`: a decision engine for the router's positions, a remote cloud engine."""
     p.add_argument(
         "--decision-engine",
         default=BUILTIN_ENGINE,
@@ -237,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt format of --cloud-engine: ids (vLLM, SGLang) or text (llama-cpp-python's server)",
     )
 
+
+def _add_recheck_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "recheck", help="re-record a router file's check block on this machine (weights unchanged; tests/test_train.py)"
     )
@@ -245,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-model", default=DEFAULT_EDGE_MODEL)
     p.add_argument("--cloud-model", default=DEFAULT_CLOUD_MODEL)
 
+
+def _add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("reproduce", help="label CLINC150 and fit the shipped router for the default pair")
     p.add_argument("--work", type=Path, default=None, help="shard directory (default: the model cache)")
     p.add_argument(
@@ -254,7 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"default: build/train/{DEFAULT_ROUTER.name} (the shipped one is {DEFAULT_ROUTER.relative_to(REPO_ROOT)})",
     )
     p.add_argument("--threads", type=int, default=1)
-    return ap
 
 
 def cmd_label(args: argparse.Namespace) -> None:

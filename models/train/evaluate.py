@@ -318,21 +318,14 @@ def _decode(
     e.g. edge-only and a 10% router run cost one sequence until the router first routes."""
     stepper.start([(p, [i]) for i, p in enumerate(prompts)])
     free = list(range(stepper.n_seq - 1, len(prompts) - 1, -1))
-    seq_of: dict[int, int] = {}
+    seq_of: dict[int, int] = {}  # run -> the llama sequence it is on
     run_prompt: dict[int, int] = {}  # run -> index of its prompt in `prompts`
     runs = [r for b in batch for r in b]
     for i, b in enumerate(batch):
         for r in b:
             seq_of[id(r)] = i
             run_prompt[id(r)] = i
-            if r.policy is not None:
-                r.policy.start_answer()
-            if r.engine is not None:
-                r.engine.start_answer()
-            if r.rule is not None:
-                r.rule.start_answer()
-            if r.rule is not None or r.cloud_only:
-                r.work = CloudWork(len(prompts[i]), opts.sync_every if opts is not None else SYNC_EVERY)
+            _start_answer(r, len(prompts[i]), opts.sync_every if opts is not None else SYNC_EVERY)
     active = list(runs)
     for _ in range(max_tokens):
         views = {v.seq: v for v in stepper.views()}
@@ -340,56 +333,95 @@ def _decode(
         moves: dict[int, dict[int, list[_Run]]] = {}  # seq -> token -> runs
         for run in active:
             seq = seq_of[id(run)]
-            v = views[seq]
-            if (0, seq) not in cache:
-                cache[(0, seq)] = (
-                    int(np.argmax(v.cloud_logits)),
-                    int(np.argmax(v.edge_logits)),
-                    log_softmax_row(v.cloud_logits)[1],
-                )
-            cloud_tok, proposed, lse = cache[(0, seq)]
-            tok = cloud_tok if run.cloud_only else proposed
-            run.routed += int(run.cloud_only)
-            if run.cloud_only and run.work is not None:
-                run.work.stream()
-            if run.rule is not None and run.remote:
-                assert remote is not None
-                pos = _remote_position(remote, prompts[run_prompt[id(run)]] + run.tokens)
-                view = pos.view(remote.model.n_vocab)
-                tok = _routed_token(run, v, view, pos.token, proposed, cache, seq, tie_nats, pos.guess())
-            elif run.rule is not None:
-                tok = _routed_token(run, v, v.cloud_logits, cloud_tok, proposed, cache, seq, tie_nats)
-            run.nll += lse - float(v.cloud_logits[tok])
-            run.tokens.append(tok)
-            run.proposed.append(proposed)
-            if len(run.hard) < len(run.tokens):  # not a routed run, or the rule did not ask the router
-                run.hard.append(None)
+            tok = _write_token(run, views[seq], cache, seq, prompts[run_prompt[id(run)]], tie_nats, remote)
             if stepper.edge.is_eog(tok):
                 run.done = True
             else:
                 moves.setdefault(seq, {}).setdefault(tok, []).append(run)
             if run.work is not None and (run.done or len(run.tokens) >= max_tokens):
                 run.work.finish()
-        advance: dict[int, int] = {}
-        for seq in views:
-            if seq not in moves:
-                stepper.release(seq)
-                free.append(seq)
-        for seq, by_tok in moves.items():
-            for k, (tok, group) in enumerate(by_tok.items()):
-                target = seq
-                if k > 0:
-                    target = free.pop()
-                    stepper.fork(seq, target)
-                    for r in group:
-                        seq_of[id(r)] = target
-                advance[target] = tok
+        advance = _regroup(stepper, views, moves, free, seq_of)
         active = [r for r in active if not r.done]
         if not advance:
             break
         stepper.advance(advance)
     for seq in list(stepper.length):
         stepper.release(seq)
+
+
+def _start_answer(run: _Run, n_prompt: int, sync_every: int) -> None:
+    """Reset a run's per-answer state (policy, engine, rule) and start its work model."""
+    if run.policy is not None:
+        run.policy.start_answer()
+    if run.engine is not None:
+        run.engine.start_answer()
+    if run.rule is not None:
+        run.rule.start_answer()
+    if run.rule is not None or run.cloud_only:
+        run.work = CloudWork(n_prompt, sync_every)
+
+
+def _write_token(
+    run: _Run,
+    v: Any,
+    cache: dict[tuple[int, int], Any],
+    seq: int,
+    prompt: list[int],
+    tie_nats: float,
+    remote: CompletionsClient | None,
+) -> int:
+    """Write a run's next token at the position its sequence's view `v` shows (the device's greedy
+    token, the cloud's, or the rule's choice) and record what it costs; returns the token."""
+    if (0, seq) not in cache:
+        cache[(0, seq)] = (
+            int(np.argmax(v.cloud_logits)),
+            int(np.argmax(v.edge_logits)),
+            log_softmax_row(v.cloud_logits)[1],
+        )
+    cloud_tok, proposed, lse = cache[(0, seq)]
+    tok = cloud_tok if run.cloud_only else proposed
+    run.routed += int(run.cloud_only)
+    if run.cloud_only and run.work is not None:
+        run.work.stream()
+    if run.rule is not None and run.remote:
+        assert remote is not None
+        pos = _remote_position(remote, prompt + run.tokens)
+        view = pos.view(remote.model.n_vocab)
+        tok = _routed_token(run, v, view, pos.token, proposed, cache, seq, tie_nats, pos.guess())
+    elif run.rule is not None:
+        tok = _routed_token(run, v, v.cloud_logits, cloud_tok, proposed, cache, seq, tie_nats)
+    run.nll += lse - float(v.cloud_logits[tok])
+    run.tokens.append(tok)
+    run.proposed.append(proposed)
+    if len(run.hard) < len(run.tokens):  # not a routed run, or the rule did not ask the router
+        run.hard.append(None)
+    return tok
+
+
+def _regroup(
+    stepper: PairStepper,
+    views: dict[int, Any],
+    moves: dict[int, dict[int, list[_Run]]],
+    free: list[int],
+    seq_of: dict[int, int],
+) -> dict[int, int]:
+    """Release the sequences no run goes on with; fork a sequence whose runs chose different tokens
+    (one new sequence per further token, KV cells shared). Returns each sequence's next token."""
+    advance: dict[int, int] = {}
+    for seq in views:
+        if seq not in moves:
+            stepper.release(seq)
+            free.append(seq)
+    for seq, by_tok in moves.items():
+        for k, (tok, group) in enumerate(by_tok.items()):
+            target = seq
+            if k > 0:
+                target = free.pop()
+                stepper.fork(seq, target)
+                for r in group:
+                    seq_of[id(r)] = target
+            advance[target] = tok
+    return advance
 
 
 def _routed_token(

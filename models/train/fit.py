@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from models.train.features import LABELS, auc, build_inputs, entropy_scores, targets
+from models.train.features import LABELS, Inputs, auc, build_inputs, entropy_scores, targets
 from models.train.shards import Records, load_records
 from shared.learned_router import FORMAT_VERSION, LOGIT_FEATURES, LearnedRouter, RouterFile
 
@@ -78,6 +78,48 @@ def fit(opts: FitOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     torch.manual_seed(opts.seed)
     torch.set_num_threads(opts.threads)
+    train_rec, val_rec = _load_split(opts)
+    feats = train_rec["logit_feats"]
+    feat_means = (
+        np.nan_to_num(np.nanmean(feats, axis=0)) if not np.isnan(feats).all() else np.zeros(feats.shape[1], np.float32)
+    )
+    tr = build_inputs(train_rec, opts.label, opts.buckets, feat_means, opts.regret_nats)
+    va = build_inputs(val_rec, opts.label, opts.buckets, feat_means, opts.regret_nats)
+    mean = tr.x.mean(axis=0)
+    std = tr.x.std(axis=0) + 1e-4
+
+    net = _Net(tr.x.shape[1], opts.hidden_units, opts.buckets, opts.token_dim, opts.dropout)
+    best_epoch, history = _train(net, tr, va, val_rec, mean, std, opts)
+    rf = _export(net, mean, std, train_rec, opts)
+    metrics = _record_validation(rf, va, val_rec, opts)
+    rf.save(opts.out)
+    return {
+        "router_file": str(opts.out),
+        "size_bytes": Path(opts.out).stat().st_size,
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
+        "edge_model": rf.meta["edge_model"],
+        "cloud_model": rf.meta["cloud_model"],
+        "data": {
+            "train_positions": len(train_rec),
+            "val_positions": len(val_rec),
+            "train_prompts": int(len(np.unique(train_rec["prompt_id"]))),
+            "val_prompts": int(len(np.unique(val_rec["prompt_id"]))),
+            "sources": train_rec.meta.get("sources", []),
+            "train_rates": _rates(train_rec, opts),
+            "val_rates": _rates(val_rec, opts),
+        },
+        "best_epoch": best_epoch,
+        "epochs_run": len(history),
+        "history": history,
+        "metrics": metrics,
+        "calibration": rf.meta["calibration"][::10],
+        "fit_seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
+def _load_split(opts: FitOptions) -> tuple[Records, Records]:
+    """The training and validation positions (validation: its own shards, else held-out prompts),
+    refused when too few or all of one label to learn from."""
     train_rec = load_records(opts.train)
     if opts.val:
         val_rec = load_records(opts.val)
@@ -94,17 +136,16 @@ def fit(opts: FitOptions) -> dict[str, Any]:
         raise ValueError(
             f"every training position has the same {opts.label} label; label more (or more varied) prompts"
         )
+    return train_rec, val_rec
 
-    feats = train_rec["logit_feats"]
-    feat_means = (
-        np.nan_to_num(np.nanmean(feats, axis=0)) if not np.isnan(feats).all() else np.zeros(feats.shape[1], np.float32)
-    )
-    tr = build_inputs(train_rec, opts.label, opts.buckets, feat_means, opts.regret_nats)
-    va = build_inputs(val_rec, opts.label, opts.buckets, feat_means, opts.regret_nats)
-    mean = tr.x.mean(axis=0)
-    std = tr.x.std(axis=0) + 1e-4
 
-    net = _Net(tr.x.shape[1], opts.hidden_units, opts.buckets, opts.token_dim, opts.dropout)
+def _train(
+    net: Any, tr: Inputs, va: Inputs, val_rec: Records, mean: np.ndarray, std: np.ndarray, opts: FitOptions
+) -> tuple[int, list[dict[str, Any]]]:
+    """Adam on class-weighted BCE, early-stopped on the validation criterion; leaves `net` holding
+    the best epoch's weights. Returns that epoch and every epoch's figures."""
+    import torch
+
     pos = float(tr.y.sum())
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor((len(tr.y) - pos) / max(pos, 1.0)))
     optim = torch.optim.Adam(net.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
@@ -142,8 +183,12 @@ def fit(opts: FitOptions) -> dict[str, Any]:
                 break
     assert best_state is not None
     net.load_state_dict(best_state)
+    return best_epoch, history
 
-    rf = _export(net, mean, std, train_rec, opts)
+
+def _record_validation(rf: RouterFile, va: Inputs, val_rec: Records, opts: FitOptions) -> dict[str, Any]:
+    """Score the validation positions with the exported numpy router (what the device will run) and
+    record in the file its calibration tables, reference histogram, metrics and check block."""
     router = LearnedRouter(rf)
     val_scores = router.score_batch(va.x[:, : router.n_embd], va.x[:, router.n_embd :], val_rec["proposed"])
     metrics = evaluate_scores(val_scores, val_rec, opts.label, opts.regret_nats)
@@ -152,30 +197,7 @@ def fit(opts: FitOptions) -> dict[str, Any]:
     rf.meta["reference_histogram"] = np.histogram(val_scores, bins=HIST_BINS, range=(0.0, 1.0))[0].tolist()
     rf.meta["metrics"] = metrics
     rf.meta["check"] = _check_block(val_rec, val_scores)
-    rf.save(opts.out)
-    report = {
-        "router_file": str(opts.out),
-        "size_bytes": Path(opts.out).stat().st_size,
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
-        "edge_model": rf.meta["edge_model"],
-        "cloud_model": rf.meta["cloud_model"],
-        "data": {
-            "train_positions": len(train_rec),
-            "val_positions": len(val_rec),
-            "train_prompts": int(len(np.unique(train_rec["prompt_id"]))),
-            "val_prompts": int(len(np.unique(val_rec["prompt_id"]))),
-            "sources": train_rec.meta.get("sources", []),
-            "train_rates": _rates(train_rec, opts),
-            "val_rates": _rates(val_rec, opts),
-        },
-        "best_epoch": best_epoch,
-        "epochs_run": len(history),
-        "history": history,
-        "metrics": metrics,
-        "calibration": rf.meta["calibration"][::10],
-        "fit_seconds": round(time.perf_counter() - t_start, 1),
-    }
-    return report
+    return metrics
 
 
 def position_regret(rec: Records) -> np.ndarray:
