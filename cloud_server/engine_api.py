@@ -10,7 +10,8 @@ of reaching into an engine's context or model. Each engine counts its work
 per session (`take_work`: forward passes, tokens per kind, remote requests),
 which the session reports with its replies. An engine refuses what a client
 asked for with an `EngineError`, which names the protocol error code the
-client gets; anything else escaping an engine is a bug.
+client gets (`engine_errors` turns it into that ProtocolError); anything else
+escaping an engine is a bug.
 
 This module imports nothing from cloud_server: every other module builds on it.
 """
@@ -18,11 +19,13 @@ This module imports nothing from cloud_server: every other module builds on it.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from shared.protocol import CAP_GENERATE, CAP_GUESS, CAP_VERIFY, ErrorCode, SamplingParams, Work
-from shared.sampling import Guess
+from shared.protocol import CAP_GENERATE, CAP_GUESS, CAP_VERIFY, ErrorCode, ProtocolError, SamplingParams, Work
+from shared.sampling import Guess, SamplingError
 from shared.text_history import AnswerText
 
 T = TypeVar("T")
@@ -66,6 +69,17 @@ class EngineFailed(EngineError):
     """The engine failed on this request (a decode error, a remote server's failure); others are unaffected."""
 
     code = ErrorCode.BUSY
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """An engine's refusal as the ProtocolError it names (the session survives it)."""
+    try:
+        yield
+    except EngineError as exc:
+        raise ProtocolError(exc.code, str(exc)) from None
+    except SamplingError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from None
 
 
 class GenerateResult(NamedTuple):

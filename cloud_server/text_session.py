@@ -22,8 +22,8 @@ tokenizer (shared/text_history.py, `plan_check`) are judged in one batched pass 
 the first rejected token, and the cloud writes its span from there, opening it with the token the
 pass chose at the rejection when the cut falls on that token's start.
 
-The connection (cloud_server/session.py) checks positions and does the accounting; this module
-only moves the text and the engine's history. It runs only on an engine that can
+The text answer (cloud_server/text_answer.py) checks positions and the session's accounting
+counts; this module only moves the text and the engine's history. It runs only on an engine that can
 (`Capabilities.text`: the embedded llama.cpp engine).
 """
 
