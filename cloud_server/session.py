@@ -224,7 +224,7 @@ class Connection:
 
     async def demote(self) -> None:
         """The device reads nothing it asked for (a slow reader): its key's sessions are served after the
-        others' for a while (cloud_server/engine.py, "short work first")."""
+        others' for a while (cloud_server/fair_share.py, "short work first")."""
         if self.session is not None:
             try:
                 await self.worker.call(self.engine.demote, self.session.key.name)
