@@ -35,7 +35,9 @@ from typing import Awaitable, Callable
 
 from cloud_server.engine_api import EngineFull, GenerateResult, NotSupported, TextEngine, Worker
 from shared.text_history import (
-    SPAN_TOKENS,
+    DONE,
+    PEEK,
+    WRITE,
     SpanWriter,
     TextGuess,
     on_char_boundary,
@@ -141,37 +143,31 @@ class TextSession:
         `lookahead`: a span that did not end the answer comes with the cloud's guess for the next
         position (`TextGuess`, from the logits the span rule looked at anyway)."""
         engine, worker, handle = self.engine, self.worker, self.handle
-        w = SpanWriter(self.view, self.text, max_tokens, at_word)  # the span rule, shared with the text eval
+        w = SpanWriter(self.view, self.text, max_tokens, at_word)  # the span rule and loop, shared with the text eval
         tokens: list[int] = []
         logprob = compute = 0.0
-        if first is None:
-            first = await worker.generate(handle, self.view.proposal(self.text, proposed_text.encode()))
         result = first
-        while True:
-            tokens.append(result.token)
-            logprob += result.logprob
-            compute += result.compute_s
-            step = w.add(result.token, engine.is_eog(result.token))
-            if step == "more" and not at_word and w.n % SPAN_TOKENS == 0 and not w.pending and w.whole():
-                await self._emit(emit, w.whole(), tokens, logprob, compute, final=False, eog=False)  # stream
-                w.flush(self.text)
-                tokens, logprob, compute = [], 0.0, 0.0
-            elif step == "peek":  # look at the next token: stop before a new word
-                compute += await worker.prefill(handle)
-                nxt = await worker.call(engine.peek, handle)
-                step = w.after_peek(self.view.token_bytes(nxt) if nxt >= 0 else None, nxt >= 0 and engine.is_eog(nxt))
-                if step == "end":  # the answer ends here: write the end now
+        if result is None:
+            result = await worker.generate(handle, self.view.proposal(self.text, proposed_text.encode()))
+        steps = w.steps(engine.is_eog)
+        ask = next(steps)
+        while ask != DONE:
+            if ask == WRITE:
+                if result is None:  # every token after the first is admitted first
                     admit()
                     result = await worker.generate(handle)
-                    tokens.append(result.token)
-                    logprob += result.logprob
-                    compute += result.compute_s
-                    w.eog = engine.is_eog(result.token)
-                    break
-            if step in ("end", "stop"):
-                break
-            admit()
-            result = await worker.generate(handle)
+                tokens.append(result.token)
+                logprob += result.logprob
+                compute += result.compute_s
+                ask, result = steps.send(result.token), None
+            elif ask == PEEK:
+                compute += await worker.prefill(handle)
+                ask = steps.send(await worker.call(engine.peek, handle))
+            else:  # FLUSH: a stream's piece
+                await self._emit(emit, w.whole(), tokens, logprob, compute, final=False, eog=False)
+                w.flush(self.text)
+                tokens, logprob, compute = [], 0.0, 0.0
+                ask = next(steps)
         eog, whole = w.eog, w.whole()
         guess = None
         if lookahead and at_word and not eog and len(whole) == len(w.written):

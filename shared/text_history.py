@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 from shared.llama_backend import LlamaModel
 from shared.sampling import Guess
@@ -170,10 +170,17 @@ def span_done(
     return at_word and (next_piece is None or starts_word(next_piece))
 
 
+# what a span's loop (`SpanWriter.steps`) asks of the model that writes it
+WRITE = "write"  # write the next token and send its id
+PEEK = "peek"  # send the most likely next token's id (-1: not known) without writing it
+FLUSH = "flush"  # a stream's piece is due: hand out `whole()`, then `flush` (send nothing)
+DONE = "done"  # the span ended (`eog`: the answer with it)
+
+
 class SpanWriter:
     """The cloud's span rule (`span_done`, the stop text, whole characters), token by token, in one
     place: the server's `TextSession.span` (awaiting its engine) and the text eval (calling a model)
-    each feed it the tokens their model writes and do what it answers:
+    each drive its loop (`steps`), or feed it the tokens their model writes and do what it answers:
 
         "end"   the answer ended (an end-of-generation token, or the stop text: `written` is cut)
         "stop"  the span ends here
@@ -222,6 +229,30 @@ class SpanWriter:
             if span_done(bytes(self.written), self.n, self.max_tokens, next_piece, pending=self.pending)
             else "more"
         )
+
+    def steps(self, is_eog: Callable[[int], bool]) -> Generator[str, int | None, None]:
+        """The span's loop apart from how its model is called, so the server and the eval write the
+        same span: yields what it needs next (`WRITE`, `PEEK`, `FLUSH`; `DONE` last), and is sent the
+        token id a `WRITE` wrote or a `PEEK` saw. The token after a peek that did not stop the span
+        is the peeked one (a greedy model writes what it peeked at)."""
+        token = yield WRITE
+        while True:
+            assert token is not None
+            step = self.add(token, is_eog(token))
+            if step == "more" and not self.at_word and self.n % SPAN_TOKENS == 0 and not self.pending and self.whole():
+                yield FLUSH  # a stream hands out its whole characters every SPAN_TOKENS tokens
+            elif step == "peek":  # look at the next token: stop before a new word
+                nxt = yield PEEK
+                assert nxt is not None
+                step = self.after_peek(self.view.token_bytes(nxt) if nxt >= 0 else None, nxt >= 0 and is_eog(nxt))
+                if step == "end":  # the answer ends with that token: write it
+                    end = yield WRITE
+                    self.eog = end is not None and is_eog(end)
+                    step = "stop"
+            if step in ("end", "stop"):
+                yield DONE
+                return
+            token = yield WRITE
 
     def whole(self) -> bytes:
         """The written bytes up to the last whole character (bytes of no whole character are dropped)."""

@@ -42,9 +42,14 @@ from shared.router import HeuristicRouter
 from shared.routing_log import read
 from shared.sampling import Guess, regret
 from shared.text_history import (
+    DONE,
+    FLUSH,
+    PEEK,
     SPAN_TOKENS,
     UTF8_EXTRA,
+    WRITE,
     AnswerText,
+    SpanWriter,
     TextGuess,
     complete_utf8,
     plan_check,
@@ -104,6 +109,30 @@ def test_span_rule():
     assert not span_done(b" " + half, SPAN_TOKENS + UTF8_EXTRA - 1, SPAN_TOKENS, b" x")
     assert span_done(b" " + half, SPAN_TOKENS + UTF8_EXTRA, SPAN_TOKENS, b" x"), "then give up (cut later)"
     assert not span_done(b" a", 1, 8, b" b", at_word=False) and span_done(b" a", 8, 8, b"b", at_word=False)
+
+
+def test_the_span_loop_asks_what_the_server_and_the_eval_both_do():
+    """`SpanWriter.steps`, the one span loop: a peek before each possible stop, the peeked token
+    written when the span goes on, a peeked end written and the answer ended, a stream's pieces."""
+    pieces = {0: b" Par", 1: b"is", 2: b" is", 3: b""}
+    view = AnswerText(lambda s: [], pieces.__getitem__)
+
+    def run(w: SpanWriter, replies: list[int]) -> list[str]:
+        steps, asked = w.steps(lambda t: t == 3), []
+        ask = next(steps)
+        while ask != DONE:
+            asked.append(ask)
+            ask = steps.send(None if ask == FLUSH else replies.pop(0))
+        assert not replies
+        return asked
+
+    w = SpanWriter(view, b"", SPAN_TOKENS)
+    assert run(w, [0, 1, 1, 2]) == [WRITE, PEEK, WRITE, PEEK] and (w.whole(), w.eog) == (b" Paris", False)
+    w = SpanWriter(view, b"", SPAN_TOKENS)
+    assert run(w, [0, 3, 3]) == [WRITE, PEEK, WRITE] and (w.whole(), w.eog) == (b" Par", True)
+    w = SpanWriter(view, b"", 2 * SPAN_TOKENS, at_word=False)
+    asked = run(w, [1] * 2 * SPAN_TOKENS)
+    assert asked.count(FLUSH) == 1 and asked.index(FLUSH) == SPAN_TOKENS and PEEK not in asked
 
 
 def test_a_cloud_token_that_splits_a_device_token(views):

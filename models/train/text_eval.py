@@ -51,7 +51,7 @@ from shared.protocol import SamplingParams
 from shared.router import HeuristicRouter, RandomRouter, Router
 from shared.sampling import Guess, Sampler
 from shared.sequences import common_prefix
-from shared.text_history import SPAN_TOKENS, AnswerText, SpanWriter, TextGuess, complete_utf8, device_pieces
+from shared.text_history import DONE, PEEK, SPAN_TOKENS, AnswerText, SpanWriter, TextGuess, complete_utf8, device_pieces
 
 TEXT_METHODS = ("learned", "entropy", "random")
 DEFAULT_TEXT_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4)  # of positions asked: a span takes more in bytes
@@ -148,25 +148,24 @@ class _Answer:
 
 
 def _cloud_span(cloud: TextSide, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
-    """The cloud's span after `text` by the server's rule (`SpanWriter`): (its text, answer ended)."""
+    """The cloud's span after `text` by the server's rule and loop (`SpanWriter.steps`, greedy as
+    the server is by default): (its text, answer ended)."""
     cloud.follow(text)
     logits, _ = cloud.next()
-    token = cloud_choice(logits, sampler, cloud.view.proposal(text, proposed))
+    token = cloud_choice(logits, sampler, cloud.view.proposal(text, proposed))  # the first, as the server's
     w = SpanWriter(cloud.view, text, SPAN_TOKENS)
-    while True:
-        eog = cloud.model.is_eog(token)
-        step = w.add(token, eog)
-        if not eog:
+    steps = w.steps(cloud.model.is_eog)
+    ask = next(steps)
+    while ask != DONE:
+        if ask == PEEK:  # the server peeks at the same greedy next token (and writes it if it goes on)
+            token = int(np.argmax(cloud.next()[0]))
+            ask = steps.send(token)
+            continue
+        if token < 0:  # WRITE, with no token chosen yet
+            token = int(np.argmax(cloud.next()[0]))
+        if not cloud.model.is_eog(token):
             cloud.history.append(token)
-        if step in ("end", "stop"):
-            break
-        logits, _ = cloud.next()
-        token = int(np.argmax(logits))
-        if step == "peek":  # the server peeks at the same greedy next token
-            step = w.after_peek(cloud.model.token_bytes(token), cloud.model.is_eog(token))
-            if step in ("end", "stop"):  # "end": the server writes that end, the answer ends here
-                w.eog = w.eog or step == "end"
-                break
+        ask, token = steps.send(token), -1
     return w.whole(), w.eog
 
 
