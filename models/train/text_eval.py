@@ -265,13 +265,7 @@ def evaluate_text(
     learned: LearnedRouter | None = None
     if opts.router is not None:  # refuses a router trained for another device or cloud model
         learned = load_router(opts.router, edge_info, cloud=cloud_info)
-    methods = [m for m in TEXT_METHODS if m != "learned" or learned is not None]
-    for m in opts.lookahead:
-        if m not in methods:
-            raise ValueError(f"--lookahead {m}: choose one of {', '.join(methods)}")
-    runs = [(m, m, None) for m in methods] + [
-        (f"{m}+lookahead@{opts.lookahead_nats:g}", m, opts.lookahead_nats) for m in opts.lookahead
-    ]
+    runs = _text_runs(opts, learned is not None)
     em, cm = LlamaModel(edge_info), LlamaModel(cloud_info)
     edge = TextSide(em, 2048, opts.threads, embeddings=True)
     cloud = TextSide(cm, 2048, opts.threads, embeddings=False)
@@ -279,69 +273,15 @@ def evaluate_text(
         messages = [
             [{"role": "system", "content": opts.system_prompt}, {"role": "user", "content": p}] for p in prompts
         ]
-        eprompts, cprompts = [em.chat_tokens(m) for m in messages], [cm.chat_tokens(m) for m in messages]
-        entropy = HeuristicRouter("entropy", em.n_vocab)
-        answers: dict[tuple[str, float], list[_Answer]] = {}
-        answers[("edge-only", 0.0)] = [
-            _routed(edge, cloud, e, c, entropy, None, opts.max_tokens, also=learned) for e, c in zip(eprompts, cprompts)
-        ]
-        answers[("cloud-only", 1.0)] = [
-            _routed(edge, cloud, e, c, None, None, opts.max_tokens, always=True) for e, c in zip(eprompts, cprompts)
-        ]
-        scores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.scores])
-        lscores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.also])
-        for f in opts.fractions:
-            thresholds = {"entropy": float(np.quantile(scores, 1.0 - f)), "random": 1.0 - f}
-            if learned is not None:
-                thresholds["learned"] = float(np.quantile(lscores, 1.0 - f))
-            for name, method, nats in runs:
-                got = []
-                for k, (e, c) in enumerate(zip(eprompts, cprompts)):
-                    router: Router
-                    if method == "learned" and learned is not None:
-                        router = learned
-                    elif method == "entropy":
-                        router = entropy
-                    else:
-                        router = RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
-                    policy = RoutingPolicy(PolicyConfig("router", threshold=thresholds[method]))
-                    setup = EngineSetup(policy, {}, opts.edge_model, opts.cloud_model)
-                    engine = build_engine(opts.decision_engine, setup)
-                    got.append(_routed(edge, cloud, e, c, router, engine, opts.max_tokens, lookahead_nats=nats))
-                answers[(name, f)] = got
-            if on_progress is not None:
-                on_progress(1)
-        points: dict[str, list[dict[str, float]]] = {}
-        per_prompt: dict[tuple[str, float], np.ndarray] = {}  # [3, prompts]: NLL, bytes, cloud bytes
-        for (method, f), got in answers.items():
-            table = np.zeros((3, len(got)))
-            for k, (a, c) in enumerate(zip(got, cprompts)):
-                cloud.start(c)
-                table[:, k] = cloud.nll(a.text), len(a.text), a.cloud_bytes
-            per_prompt[(method, f)] = table
-            nll, total, cbytes = table.sum(axis=1)
-            points.setdefault(method, []).append(
-                {
-                    "target": f,
-                    "cloud_bytes": round(cbytes / max(total, 1), 4),
-                    "nll_per_byte": round(nll / max(total, 1), 5),
-                    "bytes": int(total),
-                    "guesses_taken": int(sum(a.guessed for a in got)),
-                    **person_counts((p, a.text.decode("utf-8", "replace")) for p, a in zip(prompts, got)),
-                }
-            )
+        pair = _Pair(edge, cloud, [em.chat_tokens(m) for m in messages], [cm.chat_tokens(m) for m in messages])
+        answers = _answer_all(pair, runs, learned, opts, on_progress)
+        points, per_prompt = _points(pair, prompts, answers)
     finally:
         edge.close()
         cloud.close()
         em.close()
         cm.close()
-    e0, c1 = points["edge-only"][0]["nll_per_byte"], points["cloud-only"][0]["nll_per_byte"]
     methods = [name for name, _, _ in runs]
-    gap = {}
-    for method in methods:
-        curve = sorted([(0.0, e0)] + [(p["cloud_bytes"], p["nll_per_byte"]) for p in points[method]] + [(1.0, c1)])
-        at30 = float(np.interp(0.3, [x for x, _ in curve], [y for _, y in curve]))
-        gap[method] = round((e0 - at30) / (e0 - c1), 4) if e0 != c1 else float("nan")
     result = {
         "mode": "text",
         "measure": "cloud model NLL per byte of the answer text (lower is better)",
@@ -351,7 +291,7 @@ def evaluate_text(
         "n_prompts": len(prompts),
         "max_tokens": opts.max_tokens,
         "points": points,
-        "gap_recovered_at_30_bytes": gap,
+        "gap_recovered_at_30_bytes": _gap_at_30(points, methods),
         "gap_recovered_at_30_bytes_ci95": gap_interval(per_prompt, methods, seed=opts.seed),
         "router": str(opts.router) if learned is not None else None,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -363,3 +303,105 @@ def evaluate_text(
             for p, a in zip(prompts, got)
         ]
     return result
+
+
+@dataclass(slots=True)
+class _Pair:
+    """The two models, each with its own tokens of every prompt."""
+
+    edge: TextSide
+    cloud: TextSide
+    eprompts: list[list[int]]
+    cprompts: list[list[int]]
+
+
+def _text_runs(opts: TextEvalOptions, have_learned: bool) -> list[tuple[str, str, float | None]]:
+    """(name, method, lookahead nats or None) for every routed curve the options ask for."""
+    methods = [m for m in TEXT_METHODS if m != "learned" or have_learned]
+    for m in opts.lookahead:
+        if m not in methods:
+            raise ValueError(f"--lookahead {m}: choose one of {', '.join(methods)}")
+    return [(m, m, None) for m in methods] + [
+        (f"{m}+lookahead@{opts.lookahead_nats:g}", m, opts.lookahead_nats) for m in opts.lookahead
+    ]
+
+
+def _answer_all(
+    pair: _Pair,
+    runs: list[tuple[str, str, float | None]],
+    learned: LearnedRouter | None,
+    opts: TextEvalOptions,
+    on_progress: Callable[[int], None] | None,
+) -> dict[tuple[str, float], list[_Answer]]:
+    """Every prompt's answer, per (method, target fraction): edge-only and cloud-only first, then each
+    run at thresholds set at quantiles of its scores along the edge-only answers (one rule for all)."""
+    prompts = list(zip(pair.eprompts, pair.cprompts))
+    entropy = HeuristicRouter("entropy", pair.edge.model.n_vocab)
+    answers: dict[tuple[str, float], list[_Answer]] = {}
+    answers[("edge-only", 0.0)] = [
+        _routed(pair.edge, pair.cloud, e, c, entropy, None, opts.max_tokens, also=learned) for e, c in prompts
+    ]
+    answers[("cloud-only", 1.0)] = [
+        _routed(pair.edge, pair.cloud, e, c, None, None, opts.max_tokens, always=True) for e, c in prompts
+    ]
+    scores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.scores])
+    lscores = np.array([s for a in answers[("edge-only", 0.0)] for s in a.also])
+    for f in opts.fractions:
+        thresholds = {"entropy": float(np.quantile(scores, 1.0 - f)), "random": 1.0 - f}
+        if learned is not None:
+            thresholds["learned"] = float(np.quantile(lscores, 1.0 - f))
+        for name, method, nats in runs:
+            got = []
+            for k, (e, c) in enumerate(prompts):
+                router: Router
+                if method == "learned" and learned is not None:
+                    router = learned
+                elif method == "entropy":
+                    router = entropy
+                else:
+                    router = RandomRouter(seed=opts.seed * 100003 + k * 101 + int(f * 100))
+                policy = RoutingPolicy(PolicyConfig("router", threshold=thresholds[method]))
+                engine = build_engine(opts.decision_engine, EngineSetup(policy, {}, opts.edge_model, opts.cloud_model))
+                got.append(_routed(pair.edge, pair.cloud, e, c, router, engine, opts.max_tokens, lookahead_nats=nats))
+            answers[(name, f)] = got
+        if on_progress is not None:
+            on_progress(1)
+    return answers
+
+
+def _points(
+    pair: _Pair, prompts: list[str], answers: dict[tuple[str, float], list[_Answer]]
+) -> tuple[dict[str, list[dict[str, float]]], dict[tuple[str, float], np.ndarray]]:
+    """Per method, a point per target fraction (each answer read by the cloud model), and the
+    per-prompt table [3, prompts] (NLL, bytes, cloud bytes) the bootstrap resamples."""
+    points: dict[str, list[dict[str, float]]] = {}
+    per_prompt: dict[tuple[str, float], np.ndarray] = {}
+    for (method, f), got in answers.items():
+        table = np.zeros((3, len(got)))
+        for k, (a, c) in enumerate(zip(got, pair.cprompts)):
+            pair.cloud.start(c)
+            table[:, k] = pair.cloud.nll(a.text), len(a.text), a.cloud_bytes
+        per_prompt[(method, f)] = table
+        nll, total, cbytes = table.sum(axis=1)
+        points.setdefault(method, []).append(
+            {
+                "target": f,
+                "cloud_bytes": round(cbytes / max(total, 1), 4),
+                "nll_per_byte": round(nll / max(total, 1), 5),
+                "bytes": int(total),
+                "guesses_taken": int(sum(a.guessed for a in got)),
+                **person_counts((p, a.text.decode("utf-8", "replace")) for p, a in zip(prompts, got)),
+            }
+        )
+    return points, per_prompt
+
+
+def _gap_at_30(points: dict[str, list[dict[str, float]]], methods: list[str]) -> dict[str, float]:
+    """Per method, (edge-only - method) / (edge-only - cloud-only) at 30% cloud bytes, interpolated."""
+    e0, c1 = points["edge-only"][0]["nll_per_byte"], points["cloud-only"][0]["nll_per_byte"]
+    gap = {}
+    for method in methods:
+        curve = sorted([(0.0, e0)] + [(p["cloud_bytes"], p["nll_per_byte"]) for p in points[method]] + [(1.0, c1)])
+        at30 = float(np.interp(0.3, [x for x, _ in curve], [y for _, y in curve]))
+        gap[method] = round((e0 - at30) / (e0 - c1), 4) if e0 != c1 else float("nan")
+    return gap
