@@ -12,7 +12,7 @@ the device's session (edge_client/cloud_session.py), which never branches on the
     align     after another tier rewrote the device's history: cut back to what both share
     prefill   make the cloud hold a history ahead of time (tokens only: text shares no prompt)
 
-and each speaks its own requests (`generate`, `verify`, ...: docs/protocol.md), which the
+and each speaks its own requests (`ask`, `generate`, `verify`, ...: docs/protocol.md), which the
 device's per-mode strategies (edge_client/shared_history.py) call. The request plumbing
 (ids, deadlines, stale replies, traffic) is the link's.
 """
@@ -140,8 +140,12 @@ class HeldTokens:
             self.link.send(Sync(position=self.covered, tokens=list(tokens)))
             self.tokens.extend(tokens)
 
+    def pending(self, history: list[int]) -> list[int]:
+        """The tokens of `history` the cloud lacks."""
+        return history[self.covered :]
+
     def sync(self, history: list[int]) -> None:
-        self.send(history[self.covered :])
+        self.send(self.pending(history))
 
     def prefill(self, history: list[int]) -> None:
         """Make the cloud hold `history`: roll back to the prefix both share, then sync the rest."""
@@ -162,6 +166,14 @@ class HeldTokens:
     def rollback(self, position: int) -> None:
         self.link.send(Rollback(position=position))
         del self.tokens[position:]
+
+    def ask(
+        self, history: list[int], proposed: int, hidden: np.ndarray, lookahead: bool, explore: bool
+    ) -> CloudToken | None:
+        """The cloud's token for the position after `history` (the device proposed `proposed`); None:
+        it wrote none. `lookahead`: its guess for the next position follows (`next_guess`)."""
+        got = self.generate(self.pending(history), proposed, hidden, max_tokens=1, lookahead=lookahead, explore=explore)
+        return got[0] if got else None
 
     def generate(
         self,
@@ -338,10 +350,16 @@ class HeldText:
         self.link.send(TextRollback(byte_position=byte_position))
         del self.text[byte_position:]
 
-    def whole_characters(self, history: list[int]) -> bool:
-        """The device's answer text ends on a whole character (the cloud is asked only there)."""
+    def ask(
+        self, history: list[int], proposed: bytes, hidden: np.ndarray, lookahead: bool, explore: bool
+    ) -> CloudText | None:
+        """The cloud's span for the position after `history` (`proposed`: the device's token's text), or
+        None where the device's text ends inside a character (the cloud is asked on whole characters only).
+        `lookahead`: the span comes with the cloud's guess for the next position."""
         answer = self.answer_text.text_of(history[self.prompt_len :])
-        return complete_utf8(answer) == len(answer)
+        if complete_utf8(answer) != len(answer):
+            return None
+        return self.generate(self.pending(history), proposed, hidden, lookahead=lookahead, explore=explore)
 
     def generate(
         self,

@@ -77,16 +77,12 @@ class TokenHistory:
     ) -> bool:
         turn.align()  # another tier may have rewritten the device's history (a text tier re-tokenizes it)
         history, lookahead = turn.decoder.history, turn.opts.lookahead
-
-        def request(link: CloudLink) -> list[CloudToken]:
-            held = link.tokens
-            pending = history[held.covered :]
-            return held.generate(pending, proposed, hidden, max_tokens=1, lookahead=lookahead, explore=explore)
-
-        got = cloud.request(request, rebuild_at=history)
-        if not got:
+        got = cloud.request(
+            lambda link: link.tokens.ask(history, proposed, hidden, lookahead, explore), rebuild_at=history
+        )
+        if got is None:
             return False
-        turn.write(got[0].token, "cloud", score)
+        turn.write(got.token, "cloud", score)
         return True
 
     def check(self, turn: Turn, cloud: CloudSession, start: int, draft: ClauseDraft) -> None:
@@ -154,9 +150,8 @@ class TokenHistory:
             return on_token(tok)
 
         def request(link: CloudLink) -> bool:
-            held, history = link.tokens, turn.decoder.history
-            first = proposed if got == 0 else -1
-            held.generate(history[held.covered :], proposed=first, max_tokens=max_tokens - got, on_token=counted)
+            held, first = link.tokens, proposed if got == 0 else -1
+            held.generate(held.pending(turn.decoder.history), first, max_tokens=max_tokens - got, on_token=counted)
             return True
 
         return cloud.request(request) is not None
@@ -188,16 +183,9 @@ class TextHistory:
         """One `text_generate`; None back where the device's text ends inside a character (the cloud is
         asked on whole characters only) or a span of only a cut character brings nothing."""
         history, lookahead, proposed_text = turn.decoder.history, turn.opts.lookahead, turn.model.token_bytes(proposed)
-        link = cloud.link
-        if link is None or not link.text.whole_characters(history):
-            return False
-
-        def request(link: CloudLink) -> CloudText:
-            held = link.text
-            pending = held.pending(history)
-            return held.generate(pending, proposed_text, hidden, lookahead=lookahead, explore=explore)
-
-        got = cloud.request(request, rebuild_at=history)
+        got = cloud.request(
+            lambda link: link.text.ask(history, proposed_text, hidden, lookahead, explore), rebuild_at=history
+        )
         if got is None or not (got.text or got.eog):
             return False
         self.take_text(turn, cloud, got, score)

@@ -8,7 +8,10 @@ cloud) routes with the cloud's text, rollbacks across token boundaries, and a lo
 from __future__ import annotations
 
 import json
+import sys
 import threading
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ from websockets.sync.client import connect
 
 from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink, CloudRejected, CloudText
-from edge_client.shared_history import TEXT
+from edge_client.shared_history import TEXT, history_of
 from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.llama_backend import LlamaModel
 from shared.protocol import (
@@ -823,3 +826,51 @@ def test_mixed_pair_check_falls_back_when_the_cloud_is_lost_mid_check(edge_model
     finally:
         gen.close()
         server.stop()
+
+
+def _module_moves(call: Callable[[], object]) -> list[tuple[str, str]]:
+    """The calls `call` makes from one of the device's modules (edge_client/, shared/) into another,
+    in order, as (caller, callee) file names."""
+    root = str(Path(__file__).resolve().parent.parent)
+    mine = (f"{root}/edge_client/", f"{root}/shared/")
+    moves: list[tuple[str, str]] = []
+
+    def profile(frame, event, _arg) -> None:
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
+        if callee != caller and callee.startswith(mine) and caller.startswith(mine):
+            moves.append((caller[len(root) + 1 :], callee[len(root) + 1 :]))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return moves
+
+
+def test_a_text_ask_crosses_modules_no_more_often_than_a_token_ask_plus_one(edge_model, same_model_server):
+    """Issue 31: text mode is one implementation of the history seam, not a parallel track. One hard
+    position asked of the cloud, the same model sharing tokens and then forced to share text: the calls
+    that cross from one of the device's modules into another (counted by a profiler) are no more in
+    text mode than with tokens, plus one (the text's re-tokenization, shared/text_history.py)."""
+    counts = {}
+    for text_mode in ("never", "always"):
+        gen = make_generator(edge_model, same_model_server, text_mode=text_mode)
+        try:
+            messages = chat("say hello")
+            prompt = edge_model.chat_tokens(messages)
+            assert gen.cloud.start_answer(messages, prompt, lambda: gen.decoder.history)
+            assert gen.cloud.shared_history == ("text" if text_mode == "always" else "tokens")
+            turn = make_turn(gen, prompt, messages)
+            logits, hidden = gen.decoder.next_distribution()
+            proposed = int(np.argmax(logits))
+            seam = history_of(gen.cloud)
+            ok = []
+            moves = _module_moves(lambda: ok.append(seam.ask(turn, gen.cloud, proposed, hidden, 0.9, False)))
+            assert ok == [True] and len(turn.answer.tokens) >= 1, "the cloud wrote the position"
+            counts[text_mode] = len(moves)
+        finally:
+            gen.close()
+    assert 0 < counts["always"] <= counts["never"] + 1, counts
