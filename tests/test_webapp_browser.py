@@ -300,6 +300,45 @@ def test_spoken_question_answered_in_the_page(app, tmp_path):
         d.save_screenshot(str(SCREENSHOT))
 
 
+def test_a_tier_above_the_cloud_has_its_own_colour_on_the_page(app, tmp_path):
+    """A pool (`--tier`): the tokens a tier above the cloud wrote get their own colour and say which tier
+    wrote them on hover, and the legend's tier entry appears (it is hidden while no tier wrote). The turn's
+    record is the app's own (`turn_done_message`) for an answer of the device, the cloud and tier 2,
+    handed to the page's message handler as the app's socket delivers it: that a pool's generator
+    fills `tiers` and the record carries it is test_tiers.py's `test_the_app_runs_a_pool`."""
+    from edge_client.answer import Answer
+    from edge_client.voice.events import TurnDone
+    from edge_client.webapp.conversation import turn_done_message
+
+    core, srv = app
+    pieces, routes, tiers = (
+        ["The", " sky", " is", " blue", "."],
+        ["edge", "cloud", "edge", "cloud", "edge"],
+        [0, 2, 0, 1, 0],
+    )
+    a = Answer(policy="router", text="".join(pieces), tokens=[1, 2, 3, 4, 5], routes=routes, tiers=tiers)  # type: ignore[arg-type]
+    a.pieces, a.scores = pieces, [0.1, 0.9, 0.2, 0.7, 0.1]
+    rec = turn_done_message(TurnDone("why is the sky blue", a, a.text, False), core.settings)
+    silence = tmp_path / "silence.wav"
+    write_wav(silence, np.zeros(16000, np.float32), 16000)
+    with chromium(srv.url, silence) as d:
+        ready(d, core)
+        assert d.execute_script("return document.querySelector('#legend-tier').hidden")
+        d.execute_script("onMessage({type: 'final', text: arguments[0].transcript}); onMessage(arguments[0]);", rec)
+        wait_for(lambda: texts(d, ".turn .answer .tok.tier"), 10, "the tier's token", d)
+        assert texts(d, ".turn .answer .tok.tier") == [" sky"] and texts(d, ".turn .answer .tok.cloud") == [
+            " sky",
+            " blue",
+        ]
+        assert "written by tier 2" in attr(d, ".turn .answer .tok.tier", "title")
+        assert "written by the cloud" in attr(d, '.turn .answer .tok[data-i="3"]', "title")
+        assert not d.execute_script("return document.querySelector('#legend-tier').hidden")
+        colour = "return getComputedStyle(document.querySelector(arguments[0])).backgroundColor"
+        assert d.execute_script(colour, ".turn .answer .tok.tier") != d.execute_script(
+            colour, '.turn .answer .tok[data-i="3"]'
+        )
+
+
 def test_barge_in_stops_the_reply_and_keeps_what_was_played(app, long_answers, tmp_path):
     """A second question while the reply plays (open speakers are fine: the browser cancels the echo):
     the reply pauses within the barge-in time, stops, and the history keeps only what the page played."""

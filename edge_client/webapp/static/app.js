@@ -346,8 +346,9 @@ function newTurn(userText) {
   el.scrollIntoView({ block: "end" });
 }
 
-function tokenTitle(route, score, extra) {
-  const who = route === "cloud" ? "written by the cloud" : "written on the device";
+function tokenTitle(route, score, extra, tier) {
+  const who = tier >= 2 ? `written by tier ${tier} (a model above the cloud)`
+    : route === "cloud" ? "written by the cloud" : "written on the device";
   const sc = score === null || score === undefined ? "no router score" : `router score ${score.toFixed(3)}`;
   return `${sc} · ${who}${extra ? " · " + extra : ""}`;
 }
@@ -400,7 +401,10 @@ function renderAnswer(t, m) {
       else extra.push("the cloud's guess was near enough: the device kept its token");
     }
     if (a.overruled_positions.includes(i)) { span.classList.add("overruled"); extra.push("the cloud's check overruled the device here"); }
-    span.title = tokenTitle(a.routes[i], a.scores[i], extra.join(", "));
+    // a pool (--tier): a tier above the cloud wrote it; its own colour, and the legend says so
+    const tier = (a.tiers || [])[i] || 0;
+    if (tier >= 2) { span.classList.add("tier"); span.dataset.tier = tier; $("#legend-tier").hidden = false; }
+    span.title = tokenTitle(a.routes[i], a.scores[i], extra.join(", "), tier);
   });
   // ...and the order: a token whose live event was missed was appended last; put each at its index
   a.pieces.forEach((_, i) => t.answer.appendChild(t.tokens[i]));
