@@ -160,5 +160,17 @@ def test_mixed_eval_runs_the_learned_router(mixed_router):
         }
     )
     assert all(0 < p["cloud_bytes"] <= 1 for p in r["points"]["learned"])
+    # the work model: nothing for the device alone, the most for the cloud alone; the front holds the
+    # cheapest point (the device alone) and no point it lists is beaten on both cost and quality
+    cost = {m: ps[0]["gpu_s_per_1k_bytes"] for m, ps in r["points"].items()}
+    assert cost["edge-only"] == 0 < cost["learned"] < cost["cloud-only"], cost
+    front = r["pareto_front"]
+    assert front[0]["method"] == "edge-only" and [p["gpu_s_per_1k_bytes"] for p in front] == sorted(
+        p["gpu_s_per_1k_bytes"] for p in front
+    )
+    every = [(ps[0]["gpu_s_per_1k_bytes"], ps[0]["nll_per_byte"]) for ps in r["points"].values()]
+    for p in front:
+        c, q = p["gpu_s_per_1k_bytes"], p["nll_per_byte"]
+        assert not any(c2 <= c and q2 <= q and (c2, q2) != (c, q) for c2, q2 in every)
     with pytest.raises(RouterMismatchError):
         evaluate_text(PROMPTS[:1], TextEvalOptions(EDGE, GEMMA, fractions=(0.3,), max_tokens=4, router=DEFAULT_ROUTER))

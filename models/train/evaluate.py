@@ -60,6 +60,7 @@ import numpy as np
 
 from models.registry import model_info
 from models.train.gap import gap_interval as bootstrap_gap
+from models.train.gap import pareto_front as front_of
 from models.train.label import chat
 from models.train.pair import PairStepper, log_softmax_row
 from models.train.person_check import person_counts
@@ -625,19 +626,13 @@ def _work_point(items: list[tuple[_Run, str]], n: int) -> dict[str, Any]:
 
 def pareto_front(methods: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The points no other point beats on both cost and quality: (method, target, GPU-seconds per 1k answer
-    tokens in the work model, cloud NLL), cheapest first. A point is dominated by one at most as costly and
-    at most as bad, better in one."""
+    tokens in the work model, cloud NLL), cheapest first (models/train/gap.py)."""
     points = {
         (m, p["target_fraction"]): (p["gpu_s_per_1k_tokens"], p["cloud_nll"]) for m, pts in methods.items() for p in pts
     }
-    front = [
-        (cost, nll, m, f)
-        for (m, f), (cost, nll) in points.items()
-        if not any(c <= cost and q <= nll and (c, q) != (cost, nll) for c, q in points.values())
-    ]
     return [
         {"method": m, "target_fraction": f, "gpu_s_per_1k_tokens": cost, "cloud_nll": nll}
-        for cost, nll, m, f in sorted(front)
+        for cost, nll, m, f in front_of(points)
     ]
 
 

@@ -54,3 +54,15 @@ def gap_interval(
             else [float("nan")] * 2
         )
     return out
+
+
+def pareto_front(points: dict[tuple[str, float], tuple[float, float]]) -> list[tuple[float, float, str, float]]:
+    """The points no other beats on both cost and quality (both lower is better): `points[(method,
+    target)] = (cost, NLL)`, returned as (cost, NLL, method, target), cheapest first. A point is dominated
+    by one at most as costly and at most as bad, better in one. Both evals call it."""
+    front = [
+        (cost, nll, m, f)
+        for (m, f), (cost, nll) in points.items()
+        if not any(c <= cost and q <= nll and (c, q) != (cost, nll) for c, q in points.values())
+    ]
+    return sorted(front)

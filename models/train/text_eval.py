@@ -26,6 +26,12 @@ edge-only and cloud-only (every position asked: the cloud's own text, up to ties
 position ("<method>+lookahead@<nats>", shared/text_history.py `TextGuess`), as the generator does
 by default. The gap
 recovered comes with a 95% bootstrap interval over prompts (models/train/gap.py, as the token eval's).
+
+Cost: each point's `gpu_s_per_1k_bytes` prices the cloud model's decode passes for the answers (its
+prompt's prefill at hello, the device's text it re-tokenizes and prefills at each ask, one pass per
+token of a span, peek or guess) by the GPU cost model (shared/gpu_cost.py, the production 70B), per
+1,000 answer bytes; `pareto_front` lists the points no other beats on both that cost and NLL per
+byte. The device's syncs are folded into the next ask (one pass), so passes are a lower bound.
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ from typing import Any, Callable
 import numpy as np
 
 from models.registry import model_info
-from models.train.gap import gap_interval
+from models.train.gap import gap_interval, pareto_front
 from models.train.person_check import person_counts
 from shared.decision import AnswerRule, RuleOptions, Step, cloud_choice
 from shared.decision_engine import BUILTIN_ENGINE, DEVICE, DecisionEngine, EngineSetup, build_engine, engine_tier
 from shared.decision_engine import Position as EnginePosition
+from shared.gpu_cost import PRODUCTION_CLOUD
 from shared.learned_router import LearnedRouter, load_router
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
@@ -83,6 +90,7 @@ class TextSide:
         self.n_prompt = 0
         self.history: list[int] = []
         self.n_decoded = 0
+        self.passes = self.tokens = 0  # decode passes and their tokens for answers (not for `nll`): the work model
 
     def start(self, prompt: list[int]) -> None:
         keep = common_prefix(self.history, prompt)
@@ -111,6 +119,7 @@ class TextSide:
             self.n_decoded = n - 1
         pending = self.history[self.n_decoded :]
         out = self.ctx.decode([DecodeItem(0, self.n_decoded, pending)])[0]
+        self.passes, self.tokens = self.passes + 1, self.tokens + len(pending)
         self.n_decoded = n
         return self.ctx.logits(out), (self.ctx.hidden(out) if self.ctx.embeddings else None)
 
@@ -145,6 +154,8 @@ class _Answer:
     guessed: int = 0  # positions where the cloud's lookahead guess was taken
     scores: list[float] = field(default_factory=list)
     also: list[float] = field(default_factory=list)  # a second router's scores (calibration)
+    passes: int = 0  # the cloud's decode passes for this answer, its prompt's prefill included (the work model)
+    tokens: int = 0  # the tokens those passes carried
 
 
 def _cloud_span(cloud: TextSide, text: bytes, proposed: bytes, sampler: Sampler) -> tuple[bytes, bool]:
@@ -206,6 +217,7 @@ def _routed(
     sampler = Sampler(SamplingParams())
     edge.start(eprompt)
     cloud.start(cprompt)
+    passes0, tokens0 = cloud.passes, cloud.tokens
     if engine is not None:
         engine.start_answer()
     at = EnginePosition()
@@ -250,6 +262,8 @@ def _routed(
         a.text += edge.model.token_bytes(proposed)
         n += 1
     a.text = a.text[: complete_utf8(a.text)]
+    if engine is not None or always:  # a session with the cloud: its prompt prefilled at hello, then what it decoded
+        a.passes, a.tokens = 1 + cloud.passes - passes0, len(cprompt) + cloud.tokens - tokens0
     return a
 
 
@@ -292,6 +306,12 @@ def evaluate_text(
         "max_tokens": opts.max_tokens,
         "points": points,
         "gap_recovered_at_30_bytes": _gap_at_30(points, methods),
+        "pareto_front": [  # NLL per byte against the work model's GPU-seconds per 1k answer bytes, every point
+            {"method": m, "target": f, "gpu_s_per_1k_bytes": cost, "nll_per_byte": nll}
+            for cost, nll, m, f in pareto_front(
+                {(m, p["target"]): (p["gpu_s_per_1k_bytes"], p["nll_per_byte"]) for m, ps in points.items() for p in ps}
+            )
+        ],
         "gap_recovered_at_30_bytes_ci95": gap_interval(per_prompt, methods, seed=opts.seed),
         "router": str(opts.router) if learned is not None else None,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -390,6 +410,12 @@ def _points(
                 "nll_per_byte": round(nll / max(total, 1), 5),
                 "bytes": int(total),
                 "guesses_taken": int(sum(a.guessed for a in got)),
+                "gpu_s_per_1k_bytes": round(
+                    1000
+                    * PRODUCTION_CLOUD.gpu_seconds(sum(a.passes for a in got), sum(a.tokens for a in got))
+                    / max(total, 1),
+                    3,
+                ),
                 **person_counts((p, a.text.decode("utf-8", "replace")) for p, a in zip(prompts, got)),
             }
         )
