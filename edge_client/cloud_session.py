@@ -244,30 +244,19 @@ class CloudSession:
 
     def sync(self, history: list[int], end: int | None = None) -> None:
         """Send what the cloud lacks of history[:end] (no reply awaited)."""
-        if self.link is not None:
-            try:
-                self.link.held.sync(history[:end])
-            except CloudUnavailable as exc:
-                self.lose(exc)
+        self.once(lambda link: link.held.sync(history[:end]))
 
     def align(self, history: list[int]) -> None:
         """In a pool of tiers another tier may rewrite the device's history (a text tier re-tokenizes
         the answer): bring what this session holds back to the prefix it shares with `history`, so
         what it is sent next continues what it holds (Turn.align calls it after a rewrite)."""
-        if self.link is not None:
-            try:
-                self.link.held.align(history)
-            except CloudUnavailable as exc:
-                self.lose(exc)
+        self.once(lambda link: link.held.align(history))
 
     def resync(self, history: list[int]) -> None:
         """Make the cloud hold `history` (a prefill ahead of time; nothing in text mode, where the
         answer text is shared, not the prompt)."""
         if self.link is not None and self.link.connected:
-            try:
-                self.link.held.prefill(history)
-            except CloudUnavailable as exc:
-                self.lose(exc)
+            self.once(lambda link: link.held.prefill(history))
 
     def request(self, request: Callable[[CloudLink], T], rebuild_at: list[int] | None = None) -> T | None:
         """`request` on the link, or None when the cloud could not answer. Where the link is lost,
@@ -303,14 +292,14 @@ class CloudSession:
             return reply
         return None
 
-    def read(self, read: Callable[[CloudLink], T]) -> T | None:
-        """`read` on the link (a message the cloud sends unasked, such as a lookahead guess), or None
-        when the link is down or lost while reading (never read again elsewhere: it is gone)."""
+    def once(self, act: Callable[[CloudLink], T]) -> T | None:
+        """`act` on the link once, or None when the link is down or lost doing it. Nothing is done again
+        on another replica: a send is rebuilt with the session, and a lookahead guess was the lost one's."""
         link = self.link
         if link is None:
             return None
         try:
-            return read(link)
+            return act(link)
         except LinkErrors as exc:
             self.lose(exc)
             return None

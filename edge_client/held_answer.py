@@ -149,10 +149,8 @@ class HeldTokens:
 
     def prefill(self, history: list[int]) -> None:
         """Make the cloud hold `history`: roll back to the prefix both share, then sync the rest."""
-        keep = common_prefix(self.tokens, history)
-        if keep < self.covered:
-            self.rollback(keep)
-        self.send(history[keep:])
+        self.align(history)
+        self.sync(history)
 
     def reuse(self, prompt: list[int], messages: list[dict]) -> bool:
         self.prefill(prompt)
@@ -312,7 +310,13 @@ class HeldText:
     def pending(self, history: list[int]) -> bytes:
         """The answer text of `history` the cloud lacks, up to the last whole character. Where the
         device's text departs from the cloud's (a rollback on the device), the cloud's is cut first."""
-        answer = self.answer_text.text_of(history[self.prompt_len :])
+        return self._lacking(self._answer(history))
+
+    def _answer(self, history: list[int]) -> bytes:
+        """The answer text of the device's `history` (read once per call: it is the whole answer's)."""
+        return self.answer_text.text_of(history[self.prompt_len :])
+
+    def _lacking(self, answer: bytes) -> bytes:
         if not answer.startswith(self.text):
             keep = common_prefix(answer, self.text)
             self.rollback(complete_utf8(answer[:keep]))
@@ -321,8 +325,9 @@ class HeldText:
 
     def sync(self, history: list[int]) -> None:
         """Send the answer text the cloud lacks (whole characters; no reply)."""
-        self.send(self.pending(history))
-        whole = len(self.text) == len(self.answer_text.text_of(history[self.prompt_len :]))
+        answer = self._answer(history)
+        self.send(self._lacking(answer))
+        whole = len(self.text) == len(answer)
         self._covered = len(history) if whole else max(self._covered, len(history) - 1)
 
     def send(self, text: bytes) -> None:
@@ -356,10 +361,10 @@ class HeldText:
         """The cloud's span for the position after `history` (`proposed`: the device's token's text), or
         None where the device's text ends inside a character (the cloud is asked on whole characters only).
         `lookahead`: the span comes with the cloud's guess for the next position."""
-        answer = self.answer_text.text_of(history[self.prompt_len :])
+        answer = self._answer(history)
         if complete_utf8(answer) != len(answer):
             return None
-        return self.generate(self.pending(history), proposed, hidden, lookahead=lookahead, explore=explore)
+        return self.generate(self._lacking(answer), proposed, hidden, lookahead=lookahead, explore=explore)
 
     def generate(
         self,

@@ -67,7 +67,7 @@ class TokenHistory:
 
     def guess(self, turn: Turn, cloud: CloudSession) -> GuessJudge | None:
         wait_s = turn.opts.lookahead_wait_s
-        return cloud.read(lambda link: link.tokens.next_guess(wait_s))
+        return cloud.once(lambda link: link.tokens.next_guess(wait_s))
 
     def take_guess(self, turn: Turn, cloud: CloudSession, guess: GuessJudge) -> None:
         turn.write(guess.token, "cloud", None, lookahead=True)  # type: ignore[attr-defined]  # a token Guess
