@@ -24,6 +24,7 @@ Tune on `--split tune` (CLINC150 train + val); report on `--split test`, never t
 
     python scripts/bench_turns.py --split tune --n 40
     python scripts/bench_turns.py --split test --n 40 --grid   # + a grid of thresholds, read only
+    python scripts/bench_turns.py --split tune --asr-model-dir DIR   # another CTranslate2 Whisper
 
 Writes build/turns_<split>.json (every pause's inputs, so judges can be replayed without audio).
 CLINC150: Larson et al., EMNLP-IJCNLP 2019, CC BY 3.0.
@@ -78,8 +79,8 @@ def pct(xs: list[float], q: float) -> float:
 class Signals:
     """The pipeline's end-of-turn inputs at a pause: Whisper, the device model, Smart Turn."""
 
-    def __init__(self) -> None:
-        self.tx = Transcriber(AsrOptions())
+    def __init__(self, asr: AsrOptions) -> None:
+        self.tx = Transcriber(asr)
         self.smart = SmartTurn()
         opts = GeneratorOptions(policy="edge", cloud="none")
         self.model = LlamaModel(model_info(opts.edge_model))
@@ -177,13 +178,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--voices", default="piper,espeak:en-us,espeak:en-gb-x-rp")
     ap.add_argument("--constructions", default="halves,spliced")
+    ap.add_argument("--asr-model-dir", default=None, help="a CTranslate2 Whisper directory (default: bundled tiny.en)")
     ap.add_argument("--grid", action="store_true", help="also replay a grid of text thresholds")
     ap.add_argument("--out", default=None, help="default: build/turns_<split>.json")
     args = ap.parse_args()
 
     data = json.loads(DATA.read_text())
     pool = [q for s in SPLITS[args.split] for q, _ in data[s]]
-    signals = Signals()
+    signals = Signals(AsrOptions(model_dir=args.asr_model_dir))
     synths = voices(args.voices.split(","))
     constructions = args.constructions.split(",")
     rows: list[dict] = []
@@ -222,6 +224,7 @@ def main() -> None:
         "command": " ".join(["python", "scripts/bench_turns.py", *sys.argv[1:]]),
         "machine": f"{platform.machine()}, {platform.processor() or platform.platform()}",
         "split": args.split,
+        "asr_model_dir": args.asr_model_dir,
         "elapsed_s": round(time.perf_counter() - t_start),
         "decode_ms_p50": {
             k: pct([p["compute_ms"][k] for r in rows for p in r["pauses"]], 50)
