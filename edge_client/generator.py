@@ -153,16 +153,9 @@ class RoutedGenerator:
             self.cloud.last_error = ""  # an error of the old target says nothing about the new one
 
     def _tier_routers(self, opts: GeneratorOptions) -> list[Router | None]:
-        """Per tier, the learned router shipped for the device and a local tier's model (an expected gain
-        per tier for engines such as `cost`); [] when no tier has one (every tier reads the pair's score)."""
-        routers: list[Router | None] = [None, None]
-        for tier in opts.tiers:
-            model = tier[len("local:") :] if tier.startswith("local:") else ""  # a URL's model is not known here
-            path = shipped_router(self.edge.info.name, model) if model else None
-            routers.append(
-                None if path is None else build_router(str(path), self.edge.n_vocab, self.edge.info, "error", model)
-            )
-        return routers if any(r is not None for r in routers) else []
+        """Per tier, the router that predicts its gain (`tier_routers`); a URL's model is not known here."""
+        local = [t[len("local:") :] if t.startswith("local:") else "" for t in opts.tiers]
+        return tier_routers(self.edge, [opts.cloud_model, *local])
 
     def _engine(self, opts: GeneratorOptions, policy: RoutingPolicy) -> DecisionEngine:
         """The decision engine the options name, built around `policy`, for this pool's tiers."""
@@ -451,10 +444,31 @@ def cloud_mode(mode: str, use_cloud: bool, rule: RuleOptions, strategy: str) -> 
 ROUTERS_DIR = Path(__file__).resolve().parents[1] / "models" / "routers"
 
 
-def shipped_router(edge_model: str, cloud_model: str) -> Path | None:
-    """The trained router shipped for this (device, cloud) model pair, if there is one."""
-    path = ROUTERS_DIR / f"{edge_model}__{cloud_model}.npz"
+def shipped_router(edge_model: str, cloud_model: str, judge: str | None = None) -> Path | None:
+    """The trained router shipped for this (device, cloud) model pair, if there is one; with `judge`,
+    the one whose labels that model judged (a pool's tier below the top: `label --judge`)."""
+    name = f"{edge_model}__{cloud_model}" + (f"__judged-by__{judge}" if judge else "")
+    path = ROUTERS_DIR / f"{name}.npz"
     return path if path.is_file() else None
+
+
+def tier_routers(edge: LlamaModel, models: list[str]) -> list[Router | None]:
+    """Per tier (index = tier; 0, the device, None), the learned router that predicts the gain of
+    asking that tier's model (`models`, lowest cloud tier first; "" where not known), for engines
+    such as `cost`; [] when no tier has one (every tier reads the pair's score).
+
+    Gains must be in one unit to be compared, so each tier reads the router for the device and its
+    model judged by the top tier's model (`tokenrouter-train label --judge`, fitted on the signed
+    `gain` label), where one ships; else a tier above the first reads its own pair's router, and
+    tier 1 the pair's score (None)."""
+    top = models[-1]
+    routers: list[Router | None] = [None]
+    for tier, model in enumerate(models, start=1):
+        path = shipped_router(edge.info.name, model, judge=top) if model and top else None
+        if path is None and model and tier >= 2:
+            path = shipped_router(edge.info.name, model)
+        routers.append(None if path is None else build_router(str(path), edge.n_vocab, edge.info, "error", model))
+    return routers if any(r is not None for r in routers) else []
 
 
 def build_router(

@@ -23,7 +23,7 @@ from edge_client.writer import AnswerWriter
 from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
 from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Position, engine_tier
 from shared.exploration import Exploration
-from shared.learned_router import score_after
+from shared.learned_router import score_tiers
 from shared.llama_backend import LlamaModel
 from shared.policy import RoutingPolicy
 from shared.router import Router
@@ -64,8 +64,8 @@ class Turn:
     _joined: set[int] = field(default_factory=set)
     _last_written: dict[int, int] = field(default_factory=dict)  # tier >= 2 -> answer length when it last wrote
     _rewritten: bool = False  # a text tier re-tokenized the device's history since the sessions were aligned
-    # Per tier (index = tier), the router trained for the device and that tier's model where one ships
-    # (None: the pair's router stands in); empty when no tier has its own
+    # Per tier (index = tier), the router that predicts that tier's gain where one ships, in the top
+    # tier's unit (RoutedGenerator._tier_routers; None: the pair's router stands in); empty when none
     tier_routers: list[Router | None] = field(default_factory=list)
     forecast: TierForecast | None = None  # --prefetch forecast: which tiers the routers expect soon
     _clause_scan: int = 0  # the history up to here holds no clause end (Position.in_first_clause)
@@ -103,13 +103,9 @@ class Turn:
 
     def _score_tiers(self, score: float, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> None:
         """Each tier's expected gain into the reused Position.tier_scores (allocated once per turn)."""
-        scores = self.position.tier_scores
-        if len(scores) != len(self.tier_routers):
-            scores = self.position.tier_scores = np.zeros(len(self.tier_routers), np.float32)
-        scores[1] = score
-        for tier in range(2, len(self.tier_routers)):
-            router = self.tier_routers[tier]
-            scores[tier] = score if router is None else score_after(router, self.router, hidden, logits, proposed)
+        if len(self.position.tier_scores) != len(self.tier_routers):
+            self.position.tier_scores = np.zeros(len(self.tier_routers), np.float32)
+        score_tiers(self.position.tier_scores, self.tier_routers, self.router, score, hidden, logits, proposed)
 
     def _in_first_clause(self) -> bool:
         """No clause end in the answer so far (each token is looked at once)."""

@@ -10,7 +10,9 @@ Three real models on loopback, the stand-ins of docs/architecture.md ("Tiers"): 
 
 - `device+8B`: the pair device -> Q4_1 (its shipped router);
 - `device+70B`: the pair device -> Gemma (its shipped router);
-- `pool`: device -> Q4_1 -> Gemma, the engine reading both routers (an expected gain per tier);
+- `pool`: device -> Q4_1 -> Gemma, the engine reading an expected gain per tier, in one unit: Gemma's
+  own router, and for Q4_1 the router whose labels Gemma judged (`tokenrouter-train label --judge`;
+  the pair's router where none ships). Each point's `gains` says which;
 
 plus the anchors: the device alone and each cloud model alone (every position asked). No
 lookahead and no check: the decision alone is compared.
@@ -21,7 +23,8 @@ tokens, protocol v2), priced by the GPU cost model at its stand-in size (shared/
 reported for every answer: the NLL per byte of the answer text under each cloud model (Q4_1, a chat
 model; Gemma, a base model whose likelihood favours continued transcripts), with the person check
 (models/train/person_check.py: answers that speak as the user, say the question back or continue
-the transcript). A configuration's point is on the Pareto front when no other point is at most as
+the transcript). `gap_recovered_<model>`: the share of the gap between the device alone and that
+model alone that a point closes, by that model's judgement. A configuration's point is on the Pareto front when no other point is at most as
 costly and better by both judges.
 """
 
@@ -77,6 +80,7 @@ class Config:
     policy: str = "router"
     spend: float | None = None  # the cost engine's target, GPU-ms per position
     rows: list[dict] = field(default_factory=list)
+    gains: list[str] = field(default_factory=list)  # per cloud tier, what its expected gain reads (a pool)
 
 
 def configs(pool: Pool, spends: list[float]) -> list[Config]:
@@ -114,6 +118,14 @@ def generator(
         return lambda: CloudLink(servers[model].url, servers[model].api_key, timeout_s=30.0)
 
     return RoutedGenerator(edge, opts, link(cfg.cloud), tier_connects=[link(cfg.tier)] if cfg.tier else [])
+
+
+def gain_source(router: object) -> str:
+    """What a tier's expected gain reads: the pair's score, or a router and whose labels it learned."""
+    meta = getattr(router, "meta", None)
+    if meta is None:
+        return "the pair's score"
+    return f"{meta.get('cloud_model')} judged by {meta.get('judge_model') or meta.get('cloud_model')}"
 
 
 def run(pool: Pool, cfg: Config, gen: RoutedGenerator, question: str) -> dict:
@@ -167,12 +179,18 @@ def summarise(pool: Pool, cfgs: list[Config]) -> list[dict]:
             "spend_target_gpu_ms_per_token": cfg.spend,
             "gpu_s_per_1k_tokens": round(1000 * sum(r["gpu_s"] for r in rows) / n_tokens, 2),
             **{f"nll_per_byte_{m}": round(sum(r[f"nll_{m}"] for r in rows) / n_bytes, 4) for m in pool.judges},
+            "gains": cfg.gains,
             "tier_shares": [round(tiers.count(t) / max(len(tiers), 1), 3) for t in range(3)],
             "degraded": sum(r["degraded"] for r in rows),
             **person_counts((r["question"], r["text"]) for r in rows),
         }
         points.append(point)
     judges = [f"nll_per_byte_{m}" for m in pool.judges]
+    by_name = {p["config"]: p for p in points}
+    for model, key in zip(pool.judges, judges):  # the share of the device -> judge-alone gap each point recovers
+        device, alone = by_name["device"][key], by_name[f"{pool.size(model):g}B-only"][key]
+        for p in points:
+            p[f"gap_recovered_{model}"] = round((device - p[key]) / (device - alone), 3) if device != alone else None
     for p in points:  # dominated: another point no costlier and at least as good by both judges, better by one
         p["pareto"] = not any(
             q is not p
@@ -214,6 +232,7 @@ def main() -> None:
             servers = {pool.small: small, pool.top: top}
             for cfg in cfgs:
                 gen = generator(pool, edge, cfg, servers, args.max_tokens)
+                cfg.gains = [gain_source(r) for r in gen.tier_routers[1:]]
                 try:
                     cfg.rows = [run(pool, cfg, gen, q) for q in questions]
                 finally:
@@ -238,7 +257,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    cols = ["gpu_s_per_1k_tokens", *(f"nll_per_byte_{m}" for m in pool.judges), "speaks_as_user", "says_question_back"]
+    cols = ["gpu_s_per_1k_tokens", *(f"gap_recovered_{m}" for m in pool.judges), "speaks_as_user", "says_question_back"]
     print(f"{'config':18s}" + "".join(f"{c[:22]:>24s}" for c in cols) + "  pareto")
     for p in report["points"]:
         print(f"{p['config']:18s}" + "".join(f"{p[c]!s:>24s}" for c in cols) + ("  *" if p["pareto"] else ""))

@@ -28,10 +28,10 @@ import numpy as np
 from cloud_server.local import LocalCloudServer
 from edge_client.cloud_link import CloudLink
 from edge_client.decoder import EdgeDecoder
-from edge_client.generator import build_router, shipped_router
+from edge_client.generator import build_router, tier_routers
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
 from shared.decision_engine import EngineSetup, Position, build_engine, engine_tier
-from shared.learned_router import score_after
+from shared.learned_router import score_tiers
 from shared.llama_backend import DecodeItem, LlamaContext, LlamaModel
 from shared.policy import PolicyConfig, RoutingPolicy
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
@@ -102,13 +102,12 @@ def bench_router(edge: LlamaModel, n_tokens: int) -> dict:
 
 def bench_tiers(edge: LlamaModel, n_tokens: int, top: str = "gemma3-270m") -> dict:
     """The whole decision at a position as Turn.flag makes it: the pair's router and the built-in engine,
-    against three tiers (the pair's router, the router shipped for the device and `top`, the `cost`
-    engine), alternating position by position in the real decode loop."""
+    against three tiers (the pair's router, each tier's own router as the generator loads them:
+    `tier_routers`, the `cost` engine), alternating position by position in the real decode loop."""
     dec = EdgeDecoder(edge, n_ctx=2048)
     dec.set_history(edge.chat_tokens(PROMPT))
     router = build_router("auto", edge.n_vocab, edge.info, "error", DEFAULT_CLOUD_MODEL)
-    path = shipped_router(edge.info.name, top)
-    top_router = build_router(str(path), edge.n_vocab, edge.info, "error", top) if path else router
+    routers = tier_routers(edge, [DEFAULT_CLOUD_MODEL, top]) or [None, None, None]  # as the generator loads them
     policy = RoutingPolicy(PolicyConfig("router", cloud_fraction=0.3), prior=router.threshold_for)
     pair = build_engine("router", EngineSetup(policy, {}, tiers=2))
     pool = build_engine("cost", EngineSetup(policy, {}, tiers=3))
@@ -122,14 +121,13 @@ def bench_tiers(edge: LlamaModel, n_tokens: int, top: str = "gemma3-270m") -> di
         if i % 2 == 0:
             engine_tier(pair, at_pair, i, token, score, hidden, logits, 2)
         else:
-            at_pool.tier_scores[1] = score
-            at_pool.tier_scores[2] = score_after(top_router, router, hidden, logits, token)  # as Turn.flag
+            score_tiers(at_pool.tier_scores, routers, router, score, hidden, logits, token)  # as Turn.flag
             engine_tier(pool, at_pool, i, token, score, hidden, logits, 3)
         times["pair" if i % 2 == 0 else "three_tiers"].append((time.perf_counter() - t0) * 1e6)
         dec.append(token)
     dec.close()
     return {
-        "routers": f"{router.name} + {top_router.name}",
+        "routers": " + ".join([router.name, *(r.name for r in routers if r is not None)]),
         "pair_decision_us_p50_in_loop": pct(times["pair"], 50),
         "three_tier_decision_us_p50_in_loop": pct(times["three_tiers"], 50),
         "three_tier_decision_us_p95_in_loop": pct(times["three_tiers"], 95),

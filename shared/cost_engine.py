@@ -2,7 +2,9 @@
 
 For each cloud tier t the engine reads the expected gain of asking it, g_t in [0, 1]: the score of
 the router trained for the device and that tier's model (`Position.score_for(t)`; the device fills
-one per tier where such a router ships, else every tier reads the pair's score). Each tier has a
+one per tier where such a router ships, else every tier reads the pair's score). Gains compared
+across tiers must be in one unit: a tier below the top reads the router whose labels the top
+tier's model judged (`tokenrouter-train label --judge`), where one ships. Each tier has a
 cost c_t in GPU-milliseconds per asked token, from the GPU cost model (shared/gpu_cost.py) at the
 tier's model size (`sizes=8/70`: an 8B, then a 70B). The position goes to
 

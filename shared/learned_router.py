@@ -163,6 +163,11 @@ class LearnedRouter:
         self.drift = DriftMonitor(np.asarray(rf.meta["reference_histogram"], dtype=np.float64))
 
     @property
+    def signed(self) -> bool:
+        """Trained on the signed `gain` label (models/train/features.py): `gain` can be negative."""
+        return self.meta.get("label") == "gain"
+
+    @property
     def edge_fingerprint(self) -> str:
         return str(self.meta["edge_fingerprint"])
 
@@ -284,3 +289,25 @@ def score_after(router: Router, first: Router, hidden: np.ndarray, logits: np.nd
         router.drift.observe(score)
         return score
     return router.score(hidden, logits, proposed)
+
+
+def score_tiers(
+    into: np.ndarray,
+    routers: list[Router | None],
+    first: Router,
+    score: float,
+    hidden: np.ndarray,
+    logits: np.ndarray,
+    proposed: int,
+) -> None:
+    """Each cloud tier's expected gain into `into` (index = tier): its own router's score after `first`
+    scored `score` here (`score_after`), or `score` where the tier has none. A router trained on the
+    signed `gain` label gives 2·score - 1, the expected saturated gain, which is negative where the
+    tier's token is expected to be worse than the device's."""
+    for tier in range(1, len(routers)):
+        router = routers[tier]
+        if router is None:
+            into[tier] = score
+            continue
+        s = score_after(router, first, hidden, logits, proposed)
+        into[tier] = 2.0 * s - 1.0 if getattr(router, "signed", False) else s

@@ -21,6 +21,23 @@ from tests.conftest import GEMMA, LONG_QUESTIONS, chat
 from tests.helpers import StandInEngine, ask_cli, make_generator, make_turn, metric
 
 
+def test_each_tier_reads_the_router_that_predicts_its_gain_in_the_top_tiers_unit(edge_model):
+    """`tier_routers`: tier 1 below Gemma reads the router Gemma judged, Gemma its own pair's router; with the
+    top tier's model unknown (a URL) nothing is judged, and tier 1 reads the pair's score (None)."""
+    from edge_client.generator import shipped_router, tier_routers
+
+    judged = tier_routers(edge_model, ["smollm2-135m-q4_1", GEMMA])
+    assert judged[0] is None and len(judged) == 3
+    assert [r.meta["cloud_model"] for r in judged[1:]] == ["smollm2-135m-q4_1", GEMMA]
+    assert judged[1].meta["judge_model"] == GEMMA and judged[1].meta["label_space"] == "text"
+    assert shipped_router(edge_model.info.name, "smollm2-135m-q4_1", judge=GEMMA) != shipped_router(
+        edge_model.info.name, "smollm2-135m-q4_1"
+    )
+    assert tier_routers(edge_model, ["smollm2-135m-q4_1", ""]) == []  # nothing known to judge by
+    top_unknown = tier_routers(edge_model, ["smollm2-135m-q4_1", GEMMA, ""])
+    assert top_unknown[1] is None and top_unknown[3] is None and top_unknown[2].meta["cloud_model"] == GEMMA
+
+
 def test_escalate_sends_hard_positions_up_by_score():
     policy = RoutingPolicy(PolicyConfig("router", threshold=0.3, cloud_fraction=None))
     engine = build_engine("escalate:above=0.7", EngineSetup(policy, {}, tiers=3))
@@ -82,7 +99,8 @@ def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
 def test_the_cost_engine_keeps_each_answer_within_its_gpu_budget(edge_model, cloud_server, gemma_server):
     """`cost:gpu_ms=150`: the positions asked of each tier (the cloud's server counts its own), priced by
     the cost model (an 8B for the cloud, a 70B for Gemma's tier), stay within 150 GPU-ms in each answer; the engine reads Gemma's
-    own router (shipped for the device and Gemma) for tier 2, the pair's score for tier 1."""
+    own router (shipped for the device and Gemma) for tier 2 and, for tier 1, the router whose labels Gemma judged (the
+    gains in one unit), not the pair's score."""
     gen = make_generator(
         edge_model,
         cloud_server,
@@ -90,7 +108,8 @@ def test_the_cost_engine_keeps_each_answer_within_its_gpu_budget(edge_model, clo
         tiers=[gemma_server],
         decision_engine="cost:gpu_ms=150,gpu_ms_per_token=20",
     )
-    assert isinstance(gen.tier_routers[2], LearnedRouter) and gen.tier_routers[1] is None
+    assert isinstance(gen.tier_routers[2], LearnedRouter) and gen.tier_routers[2].meta.get("judge_model") is None
+    assert isinstance(gen.tier_routers[1], LearnedRouter) and gen.tier_routers[1].meta["judge_model"] == GEMMA
     engine = gen.engine
     assert isinstance(engine, CostEngine)
     seen: list[tuple[float, float, float]] = []
@@ -115,7 +134,7 @@ def test_the_cost_engine_keeps_each_answer_within_its_gpu_budget(edge_model, clo
     finally:
         gen.close()
     assert any(t > 0 for t in written)  # the cloud tiers wrote within the budget
-    assert all(abs(s - s1) < 1e-6 for s, s1, _ in seen)  # tier 1: the pair's score
+    assert any(abs(s1 - s) > 0.01 for s, s1, _ in seen)  # tier 1: its router judged by Gemma
     assert any(abs(s2 - s) > 0.01 for s, _, s2 in seen)  # tier 2: its own router
 
 

@@ -406,6 +406,42 @@ def test_soft_regret_label_and_regret_early_stopping(labelled, tmp_path):
     assert report["metrics"]["label"] == "soft-regret" and load_router(out).meta["label"] == "soft-regret"
 
 
+def test_the_signed_gain_label_counts_losses_and_its_router_gives_a_signed_gain(labelled, tmp_path):
+    """`gain` (a pool's tiers): 1/2 where the tokens agree, below 1/2 where the tier's token is worse
+    (negative regret), above where better, growing with the regret; a router fitted on it is
+    `signed`, and a pool reads 2·score - 1 from it (`score_tiers`), the pair's score where a tier
+    has no router."""
+    from shared.learned_router import score_tiers
+
+    n = 5
+    rows = {
+        "hidden": np.zeros((n, 4)),
+        "logit_feats": np.zeros((n, N_LOGIT_FEATURES)),
+        "proposed": [1, 2, 3, 4, 5],
+        "cloud_token": [1, 7, 8, 9, 10],
+        "position": list(range(n)),
+        "prompt_id": [0] * n,
+        "mismatch": [0, 1, 1, 1, 1],
+        "divergent": [-1] * n,
+        "regret": [0.0, -6.0, -0.5, 0.5, 4.0],
+    }
+    y = targets(make_records(rows, {}), "gain", 1.0)
+    assert y[0] == 0.5 and y[1] < y[2] < 0.5 < y[3] < y[4] < 1 and y[1] > 0
+    out = tmp_path / "gain.npz"
+    report = fit(FitOptions(train=[str(labelled)], out=out, label="gain", epochs=3, hidden_units=8, buckets=32))
+    assert report["metrics"]["label"] == "gain"
+    router = load_router(out)
+    assert isinstance(router, LearnedRouter) and router.signed
+    rng = np.random.default_rng(0)
+    hidden, logits = rng.standard_normal(router.n_embd).astype(np.float32), rng.standard_normal(49152)
+    first = HeuristicRouter("entropy", 49152)
+    score = first.score(hidden, logits, 3)
+    into = np.zeros(3, np.float32)
+    score_tiers(into, [None, None, router], first, score, hidden, logits, 3)
+    assert into[1] == pytest.approx(score)
+    assert into[2] == pytest.approx(2 * router.score(hidden, logits, 3) - 1, abs=1e-6)
+
+
 @pytest.mark.kernel
 def test_routed_path_labelling_follows_the_router(labelled, router_file, tmp_path, edge_info):
     """`label --routed-by`: each prompt is decoded as the router would route it. Routing everything

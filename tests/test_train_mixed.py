@@ -104,6 +104,63 @@ def test_text_labels_have_the_same_shape_and_the_rule_holds(mixed_labels):
     cloud.close()
 
 
+def test_a_pool_tier_is_labelled_in_the_top_models_unit(tmp_path):
+    """`label --judge`: the "8B" tier (Q4_1, the device's vocabulary) on Gemma's path, its token
+    compared with the device's and both judged by Gemma. The compared token is the tier's own greedy
+    token where it reads the device's tokens of Gemma's answer, and one mismatch's label is Gemma's
+    text rule recomputed by hand in fresh passes."""
+    from models.train.text_label import TextScorer
+    from shared.text_history import AnswerText
+
+    small = "smollm2-135m-q4_1"
+    label(
+        PROMPTS[:2],
+        LabelOptions(EDGE, small, tmp_path, max_tokens=MAX_TOKENS, prompts_per_shard=2, progress=False, judge=GEMMA),
+    )
+    rec = load_records([tmp_path])
+    assert rec.meta["cloud_model"] == small and rec.meta["judge_model"] == GEMMA
+    assert rec.meta["judge_fingerprint"] == model_info(GEMMA).fingerprint and rec.meta["label_space"] == "text"
+    assert (rec["mismatch"] == (rec["proposed"] != rec["cloud_token"])).all()
+    assert (rec["regret"][rec["mismatch"] == 0] == 0).all() and 0 < rec["mismatch"].mean() < 1
+
+    edge, tier, judge = (LlamaModel(model_info(m)) for m in (EDGE, small, GEMMA))
+    scorer = TextScorer(judge, n_ctx=1024)
+    try:
+        prompt = rec.meta["prompts"][0]
+        answer, _ = scorer.answer(_chat(judge, prompt), MAX_TOKENS + 8)
+        path = AnswerText.for_model(edge).tokens(answer)  # Gemma's answer, as the device's tokens
+        rows = np.flatnonzero(rec["prompt_id"] == rec["prompt_id"][0])
+        row = next(
+            r
+            for r in rows
+            if rec["mismatch"][r] and not any(edge.is_eog(int(rec[k][r])) for k in ("proposed", "cloud_token"))
+        )
+        j, e, c = int(rec["position"][row]), int(rec["proposed"][row]), int(rec["cloud_token"][row])
+        ctx = LlamaContext(tier, n_ctx=512, threads=1)
+        try:
+            tokens = _chat(tier, prompt) + path[:j]
+            out = ctx.decode_outputs(DecodeItem(0, 0, tokens), [len(tokens) - 1])[0]
+            assert int(np.argmax(ctx.logits(out))) == c
+        finally:
+            ctx.close()
+        prefix = b"".join(edge.token_bytes(t) for t in path[:j])
+        b_e, b_c = edge.token_bytes(e), edge.token_bytes(c)
+    finally:
+        scorer.close()
+    side = TextSide(judge, 1024, 1, embeddings=False)
+    try:
+        side.start(_chat(judge, prompt))
+        s_t, s_e, s_c = side.nll(prefix), side.nll(prefix + b_e), side.nll(prefix + b_c)
+    finally:
+        side.close()
+    want = text_regret(s_e - s_t, len(b_e), False, s_c - s_t, len(b_c), False)
+    assert float(rec["regret"][row]) == pytest.approx(want, abs=0.05, rel=0.01)
+    for m in (edge, tier, judge):
+        m.close()
+    with pytest.raises(ValueError, match="must share the device's vocabulary"):  # Gemma cannot read its tokens
+        label(PROMPTS[:1], LabelOptions(EDGE, GEMMA, tmp_path / "refused", progress=False, judge=small))
+
+
 def test_router_file_is_bound_to_both_models(mixed_router):
     edge_info, gemma, default_cloud = model_info(EDGE), model_info(GEMMA), model_info(DEFAULT_CLOUD_MODEL)
     router = load_router(mixed_router, edge_info, cloud=gemma)

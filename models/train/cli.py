@@ -22,6 +22,7 @@ from pathlib import Path
 
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir, model_info
 from models.train.evaluate import EvalOptions, evaluate, plot, write_json
+from models.train.features import LABELS
 from models.train.fit import FitOptions, fit
 from models.train.label import LabelOptions, label
 from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
@@ -112,6 +113,12 @@ def _add_label_parser(sub: argparse._SubParsersAction) -> None:
         metavar="ROUTER",
         help="label the paths this router file routes (at 10-50%% cloud) instead of the cloud's path (DAgger-style)",
     )
+    p.add_argument(
+        "--judge",
+        default=None,
+        metavar="MODEL",
+        help="a pool's top model: label this tier in its unit, on its path (its NLL of the text; text_label.py)",
+    )
 
 
 def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
@@ -124,14 +131,15 @@ def _add_fit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--label",
         default="regret",
-        choices=("divergent", "mismatch", "regret", "soft-regret"),
-        help="training target (default regret: best on the cloud-NLL measure, see docs/router.md)",
+        choices=LABELS,
+        help="training target (default regret: best on the cloud-NLL measure, see docs/router.md; gain: a pool's"
+        " signed gain, models/train/features.py)",
     )
     p.add_argument(
         "--regret-nats",
         type=float,
         default=1.0,
-        help="regret: the threshold; soft-regret: the scale of 1 - exp(-regret / N)",
+        help="regret: the threshold; soft-regret: the scale of 1 - exp(-regret / N); gain: of sigmoid(regret / N)",
     )
     p.add_argument(
         "--early-stop",
@@ -295,6 +303,7 @@ def cmd_label(args: argparse.Namespace) -> None:
         window=args.window,
         threads=args.threads,
         route_with=args.routed_by,
+        judge=args.judge,
     )
     paths = label(prompts, opts)
     print(

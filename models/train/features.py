@@ -14,6 +14,12 @@ Targets (`--label`):
                mismatches, 0 elsewhere; BCE's minimiser is then the expected
                saturated regret, so ranking by score ranks by what routing a
                position saves on the cloud-NLL measure
+    gain       a signed soft target for a pool's tiers (a tier whose token can be worse than
+               the device's, judged by the top model: `label --judge`): sigmoid(regret /
+               --regret-nats) on mismatches, 1/2 where the tokens agree. Unweighted BCE's
+               minimiser is its expectation, so 2·score - 1 is the expected saturated gain,
+               tanh(regret / 2·nats), in (-1, 1): losses count against gains
+               (`LearnedRouter.gain`, what the `cost` engine reads)
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import numpy as np
 from models.train.shards import Records
 from shared.learned_router import token_bucket
 
-LABELS = ("divergent", "mismatch", "regret", "soft-regret")
+LABELS = ("divergent", "mismatch", "regret", "soft-regret", "gain")
 
 
 @dataclass(slots=True)
@@ -41,9 +47,12 @@ def targets(rec: Records, label: str, regret_nats: float = 1.0) -> np.ndarray:
     mismatch = rec["mismatch"].astype(bool)
     if label == "mismatch":
         return mismatch.astype(np.float32)
-    if label in ("regret", "soft-regret"):
+    if label in ("regret", "soft-regret", "gain"):
         if np.isnan(rec["regret"][mismatch]).any():
             raise ValueError(f"--label {label} needs labelled shards (live-traffic shards carry no regret)")
+        if label == "gain":
+            signed = 1.0 / (1.0 + np.exp(-np.clip(rec["regret"] / regret_nats, -60, 60)))
+            return np.where(mismatch, signed, 0.5).astype(np.float32)
         if label == "soft-regret":
             return np.where(mismatch, 1.0 - np.exp(-np.maximum(rec["regret"], 0.0) / regret_nats), 0.0).astype(
                 np.float32

@@ -147,7 +147,8 @@ def _train(
     import torch
 
     pos = float(tr.y.sum())
-    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor((len(tr.y) - pos) / max(pos, 1.0)))
+    weight = 1.0 if opts.label == "gain" else (len(tr.y) - pos) / max(pos, 1.0)  # "gain": the mean, unskewed
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(weight))
     optim = torch.optim.Adam(net.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     xt = torch.from_numpy((tr.x - mean) / std)
     bt, yt = torch.from_numpy(tr.bucket), torch.from_numpy(tr.y)
@@ -168,7 +169,12 @@ def _train(
         net.eval()
         with torch.no_grad():
             val_scores = torch.sigmoid(net(xv, bv)).numpy()
-        val_score = auc(val_scores, va.y) if opts.early_stop == "auc" else regret_captured(val_scores, val_rec)
+        if opts.label == "gain":  # a soft target: how close the scores come to it (minus the squared error)
+            val_score = -float(np.mean((val_scores - va.y) ** 2))
+        elif opts.early_stop == "auc":
+            val_score = auc(val_scores, va.y)
+        else:
+            val_score = regret_captured(val_scores, val_rec)
         if np.isnan(val_score):  # one class only in validation: no ranking signal, keep the latest model
             val_score = 0.5
         history.append(
@@ -231,8 +237,8 @@ def _rates(rec: Records, opts: FitOptions) -> dict[str, float]:
 
 def evaluate_scores(scores: np.ndarray, rec: Records, label: str, regret_nats: float) -> dict[str, Any]:
     """AUCs, and per target cloud fraction: the threshold and the recall of hard tokens it gives."""
-    y = targets(rec, label, regret_nats).astype(bool)
     mismatch = rec["mismatch"].astype(bool)
+    y = targets(rec, "regret" if label == "gain" else label, regret_nats).astype(bool)  # "gain": the clear gains
     div = targets(rec, "divergent").astype(bool)
     regret = position_regret(rec)
     ent = entropy_scores(rec)
@@ -347,6 +353,8 @@ def _export(net: Any, mean: np.ndarray, std: np.ndarray, rec: Records, opts: Fit
         "label": opts.label,
         "label_space": rec.meta.get("label_space", "tokens"),  # "text": a mixed pair's labels (text_label.py)
         "label_rule": rec.meta.get("label_rule"),
+        "judge_model": rec.meta.get("judge_model"),  # a pool's tier: labels in its top model's unit (label --judge)
+        "judge_fingerprint": rec.meta.get("judge_fingerprint"),
         "system_prompt": rec.meta.get("system_prompt"),
         "reference_histogram": [1] * HIST_BINS,  # replaced by the validation scores' histogram
     }

@@ -42,6 +42,12 @@ A mixed pair (the two models' tokenizers differ): the answer is shared as text,
 so the labels are the cloud model's NLL of the text at each device position
 (text_label.py, the one module for that rule), in the same shard columns; the
 cloud's path only (no `route_with`), no divergence rollouts (divergent -1).
+
+A tier of a pool (`judge`, the pool's top model): its labels are in the judge's
+unit, so that every tier's router predicts the same thing (a gain of at least
+`regret_nats` in the judge's NLL of the text): the text rule again, on the
+judge's path, comparing the device's token with the tier's (text_label.py,
+"Judged by the top tier").
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class LabelOptions:
     route_with: Path | None = None  # a router file: label the paths it routes (see the module docstring)
     route_fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)
     answers: list[list[int]] | None = None  # one recorded answer per prompt: follow it (see the module docstring)
+    judge: str | None = None  # a pool's top model: its path and its NLL of the text judge this tier (a pool's labels)
 
 
 def chat(model: LlamaModel, system: str, prompt: str) -> list[int]:
@@ -115,9 +122,12 @@ def is_divergent(
 def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     """Label `prompts` into shards of `prompts_per_shard` prompts; existing shards are kept (resume)."""
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
-    mixed = edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint
+    judged = opts.judge is not None and opts.judge != opts.cloud_model
+    mixed = judged or edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint
     if mixed and opts.route_with is not None:
-        raise ValueError("--routed-by needs one vocabulary; a mixed pair is labelled along the cloud's path only")
+        raise ValueError(
+            "--routed-by needs one vocabulary; a mixed pair or a judged tier is labelled along the cloud's path only"
+        )
     if opts.answers is not None and (mixed or opts.route_with is not None or len(opts.answers) != len(prompts)):
         raise ValueError("recorded answers need one vocabulary, the cloud's path and one answer per prompt")
     router, routed_by = None, None
@@ -151,9 +161,11 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
             "system_prompt": opts.system_prompt,
             "path": "cloud" if router is None else "routed",
         }
-        if mixed:  # labels in the cloud model's NLL of the text (text_label.py)
+        if mixed:  # labels in the cloud model's (or the judge's) NLL of the text (text_label.py)
             meta["label_space"] = LABEL_SPACE
             meta["label_rule"] = {"rule": LABEL_RULE, "max_tokens": opts.max_tokens}
+            if judged:
+                return _label_judged(prompts, opts, edge, cloud, paths, todo, meta)
             return _label_text(prompts, opts, edge, cloud, paths, todo, meta)
         if routed_by is not None:
             meta["routed_by"] = routed_by
@@ -198,17 +210,23 @@ def _label_text(
     paths: list[Path],
     todo: list[int],
     meta: dict,
+    judge: LlamaModel | None = None,
 ) -> list[Path]:
-    """A mixed pair: each prompt labelled on text in the cloud's terms (text_label.py)."""
+    """A mixed pair: each prompt labelled on text in the cloud's terms (text_label.py); with a
+    `judge`, the cloud is a tier compared with the device in the judge's terms."""
     per = opts.prompts_per_shard
-    labeller = TextLabeller(edge, cloud, threads=opts.threads)
+    if judge is None:
+        labeller = TextLabeller(edge, cloud, threads=opts.threads)
+    else:
+        labeller = TextLabeller(edge, judge, threads=opts.threads, proposer=cloud)
+    scorer = judge or cloud
 
     def label_shard(i: int) -> dict[str, list]:
         rows: dict[str, list] = {c: [] for c in COLUMNS}
         for k, p in enumerate(prompts[i * per : (i + 1) * per]):
-            got = labeller.label_prompt(
-                chat(edge, opts.system_prompt, p), chat(cloud, opts.system_prompt, p), i * per + k, opts.max_tokens
-            )
+            eprompt, sprompt = chat(edge, opts.system_prompt, p), chat(scorer, opts.system_prompt, p)
+            pprompt = chat(cloud, opts.system_prompt, p) if judge is not None else None
+            got = labeller.label_prompt(eprompt, sprompt, i * per + k, opts.max_tokens, pprompt)
             for key, col in got.items():
                 rows[key].extend(col)
         return rows
@@ -217,6 +235,26 @@ def _label_text(
         return _write_shards(prompts, opts, paths, todo, meta, label_shard)
     finally:
         labeller.close()
+
+
+def _label_judged(
+    prompts: list[str],
+    opts: LabelOptions,
+    edge: LlamaModel,
+    cloud: LlamaModel,
+    paths: list[Path],
+    todo: list[int],
+    meta: dict,
+) -> list[Path]:
+    """A tier of a pool, judged by the pool's top model (module docstring)."""
+    assert opts.judge is not None
+    judge_info = model_info(opts.judge)
+    judge = LlamaModel(judge_info)
+    meta.update(judge_model=judge_info.name, judge_fingerprint=judge_info.fingerprint)
+    try:
+        return _label_text(prompts, opts, edge, cloud, paths, todo, meta, judge=judge)
+    finally:
+        judge.close()
 
 
 def _write_shards(

@@ -131,10 +131,11 @@ def load_records(sources: list[str | Path]) -> Records:
     parts = [read_shard(p) for p in shard_paths(sources)]
     first = parts[0].meta
     for p, r in zip(shard_paths(sources), parts):
-        for key in ("edge_fingerprint", "cloud_fingerprint"):
+        for key in ("edge_fingerprint", "cloud_fingerprint", "judge_fingerprint"):
             if r.meta.get(key) != first.get(key):
                 raise ShardError(
                     f"{p} has {key} {r.meta.get(key)}, but other shards have {first.get(key)}: train one router per model pair"
+                    " (and judge)"
                 )
     # prompt ids count from 0 in every labelling run (one directory each): shift them apart, so that
     # prompts of two runs are never taken for one (the hold-out split, per-prompt counts)

@@ -33,6 +33,12 @@ state, LOGIT_FEATURES, proposed greedy token e) and, in the cloud's terms on tex
     divergent    -1 (not labelled: the divergence rollouts are not run in text mode; `fit
                  --label divergent` then falls back to mismatch, as for live rows)
 
+Judged by the top tier (`label --judge`): a pool needs each tier's gain in one unit, so a tier
+below the top is labelled by the top model too. The path and the measure stay the judge's (its
+greedy answer, its NLL of the text), the compared token c is the tier's own greedy token where it
+reads the device's tokens of that answer (the tier shares the device's vocabulary), and
+regret is the same rule with b_c the tier's bytes. Without `--judge` the judge is the cloud itself.
+
 Bytes that are not whole UTF-8 characters (a byte-fallback token) are read by the cloud with the
 replacement character, so a broken character costs what an unexpected symbol costs.
 
@@ -192,16 +198,39 @@ class TextScorer:
 
 
 class TextLabeller:
-    """Labels prompts of a mixed pair one at a time (module docstring)."""
+    """Labels prompts of a mixed pair one at a time (module docstring).
 
-    def __init__(self, edge: LlamaModel, cloud: LlamaModel, threads: int | None = 1, n_ctx: int = 2048) -> None:
+    `proposer`: a tier judged by another model (a pool's labels in one unit, "Judged by the top
+    tier" in the module docstring). It shares the device's vocabulary and reads the device's tokens
+    of the judge's answer; its greedy token is the one compared with the device's, and `cloud` (the
+    judge) only writes the path and scores both. None: the judge's own token is compared."""
+
+    def __init__(
+        self,
+        edge: LlamaModel,
+        cloud: LlamaModel,
+        threads: int | None = 1,
+        n_ctx: int = 2048,
+        proposer: LlamaModel | None = None,
+    ) -> None:
         self.edge, self.cloud, self.threads, self.n_ctx = edge, cloud, threads, n_ctx
+        if proposer is not None and proposer.info.tokenizer_fingerprint != edge.info.tokenizer_fingerprint:
+            raise ValueError(
+                f"a judged tier must share the device's vocabulary: {proposer.info.name} does not read "
+                f"{edge.info.name}'s tokens (label it as its own pair, or judge it by itself)"
+            )
         self._ectx = LlamaContext(self.edge, n_ctx=self.n_ctx, n_seq=1, threads=self.threads, embeddings=True)
+        self._pctx = (
+            None if proposer is None else LlamaContext(proposer, n_ctx=self.n_ctx, n_seq=1, threads=self.threads)
+        )
         self._scorer = TextScorer(self.cloud, n_ctx=self.n_ctx, threads=self.threads)
         self._eview = AnswerText.for_model(self.edge)
         self._featurize = LogitFeaturizer(self.edge.n_vocab)
 
-    def label_prompt(self, eprompt: list[int], cprompt: list[int], prompt_id: int, max_tokens: int) -> dict[str, list]:
+    def label_prompt(
+        self, eprompt: list[int], cprompt: list[int], prompt_id: int, max_tokens: int, pprompt: list[int] | None = None
+    ) -> dict[str, list]:
+        """One prompt's rows. `pprompt`: the proposer's prompt (its chat template), where there is one."""
         rows: dict[str, list] = {k: [] for k in ("hidden", "logit_feats", "proposed", "cloud_token", "position")}
         rows.update({k: [] for k in ("prompt_id", "mismatch", "divergent", "regret")})
         # the cloud's answer, as the device's tokens (room for max_tokens device tokens and one more)
@@ -212,52 +241,85 @@ class TextLabeller:
         n_pos = len(dev) + (1 if ended else 0)
         if n_pos == 0:
             return rows
-        eog = self.edge.eog_token
-        ref = dev + ([eog] if ended else [])
-        # the device reads it: its state before each position
-        P = len(eprompt)
-        self._ectx.clear(0)
-        outs = self._ectx.decode_outputs(DecodeItem(0, 0, eprompt + dev), list(range(P - 1, P - 1 + n_pos)))
-        proposed = []
-        for j, out in enumerate(outs):
-            logits = self._ectx.logits(out)
-            e = int(np.argmax(logits))
-            proposed.append(e)
-            rows["hidden"].append(np.array(self._ectx.hidden(out), dtype=np.float16))
-            rows["logit_feats"].append(self._featurize(logits, e).copy())
-        self._ectx.clear(0)
-        # the cloud's NLLs: every prefix T_j, and T_j + b_e where the device's token differs
-        prefix = [self._eview.text_of(dev[:j]) for j in range(len(dev) + 1)]
-        texts, ends, where = list(prefix), [False] * len(prefix), {}
-        for j, (e, c) in enumerate(zip(proposed, ref)):
-            if e == c:
-                continue
-            e_end, c_end = self.edge.is_eog(e), c == eog
-            if e_end or c_end:
-                ends[j] = True
-            if not e_end:
-                where[j] = len(texts)
-                texts.append(prefix[j] + self.edge.token_bytes(e))
-                ends.append(False)
-        scores = self._scorer.score(cprompt, prefix[-1], texts, ends)
-        for j, (e, c) in enumerate(zip(proposed, ref)):
-            regret = 0.0
-            if e != c:
-                e_end, c_end = self.edge.is_eog(e), c == eog
-                s_t, end_t = scores[j]
-                b_e, b_c = self.edge.token_bytes(e), self.edge.token_bytes(c)
-                nll_e = end_t if e_end else scores[where[j]][0] - s_t
-                nll_c = end_t if c_end else scores[j + 1][0] - s_t
-                regret = text_regret(nll_e, len(b_e), e_end, nll_c, len(b_c), c_end)
+        ref = dev + ([self.edge.eog_token] if ended else [])
+        proposed = self._device_pass(eprompt, dev, n_pos, rows)
+        compared = ref if self._pctx is None else self._proposer_pass(pprompt or eprompt, dev, n_pos)
+        regrets = self._regrets(cprompt, dev, ref, proposed, compared)
+        for j, (e, c) in enumerate(zip(proposed, compared)):
             rows["proposed"].append(e)
             rows["cloud_token"].append(c)
             rows["position"].append(j)
             rows["prompt_id"].append(prompt_id)
             rows["mismatch"].append(int(e != c))
             rows["divergent"].append(-1)
-            rows["regret"].append(regret)
+            rows["regret"].append(regrets[j])
         return rows
+
+    def _device_pass(self, eprompt: list[int], dev: list[int], n_pos: int, rows: dict[str, list]) -> list[int]:
+        """The device reads the answer: its state (into `rows`) and greedy token before each position."""
+        P = len(eprompt)
+        self._ectx.clear(0)
+        outs = self._ectx.decode_outputs(DecodeItem(0, 0, eprompt + dev), list(range(P - 1, P - 1 + n_pos)))
+        proposed = []
+        for out in outs:
+            logits = self._ectx.logits(out)
+            e = int(np.argmax(logits))
+            proposed.append(e)
+            rows["hidden"].append(np.array(self._ectx.hidden(out), dtype=np.float16))
+            rows["logit_feats"].append(self._featurize(logits, e).copy())
+        self._ectx.clear(0)
+        return proposed
+
+    def _proposer_pass(self, pprompt: list[int], dev: list[int], n_pos: int) -> list[int]:
+        """The judged tier reads the same tokens: its greedy token before each position."""
+        assert self._pctx is not None
+        P = len(pprompt)
+        self._pctx.clear(0)
+        outs = self._pctx.decode_outputs(DecodeItem(0, 0, pprompt + dev), list(range(P - 1, P - 1 + n_pos)))
+        tokens = [int(np.argmax(self._pctx.logits(out))) for out in outs]
+        self._pctx.clear(0)
+        return tokens
+
+    def _regrets(
+        self, cprompt: list[int], dev: list[int], ref: list[int], proposed: list[int], compared: list[int]
+    ) -> list[float]:
+        """Per position, `text_regret` of the device's token against the compared one, both scored by
+        the cloud (the judge) after the answer text before the position."""
+        edge = self.edge
+        prefix = [self._eview.text_of(dev[:j]) for j in range(len(dev) + 1)]
+        texts, ends = list(prefix), [False] * len(prefix)
+        where: dict[tuple[int, int], int] = {}  # (position, token) -> its text, where it is not the path's
+
+        def want(j: int, tok: int) -> None:
+            if edge.is_eog(tok):
+                ends[j] = True
+            elif tok != ref[j] and (j, tok) not in where:
+                where[(j, tok)] = len(texts)
+                texts.append(prefix[j] + edge.token_bytes(tok))
+                ends.append(False)
+
+        for j, (e, c) in enumerate(zip(proposed, compared)):
+            if e != c:
+                want(j, e)
+                want(j, c)
+        scores = self._scorer.score(cprompt, prefix[-1], texts, ends)
+
+        def nll(j: int, tok: int) -> float:
+            if edge.is_eog(tok):
+                return scores[j][1]
+            return scores[j + 1 if tok == ref[j] else where[(j, tok)]][0] - scores[j][0]
+
+        out = []
+        for j, (e, c) in enumerate(zip(proposed, compared)):
+            if e == c:
+                out.append(0.0)
+                continue
+            b_e, b_c = edge.token_bytes(e), edge.token_bytes(c)
+            out.append(text_regret(nll(j, e), len(b_e), edge.is_eog(e), nll(j, c), len(b_c), edge.is_eog(c)))
+        return out
 
     def close(self) -> None:
         self._ectx.close()
+        if self._pctx is not None:
+            self._pctx.close()
         self._scorer.close()
