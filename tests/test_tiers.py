@@ -22,20 +22,23 @@ from tests.helpers import StandInEngine, ask_cli, make_generator, make_turn, met
 
 
 def test_each_tier_reads_the_router_that_predicts_its_gain_in_the_top_tiers_unit(edge_model):
-    """`tier_routers`: tier 1 below Gemma reads the router Gemma judged, Gemma its own pair's router; with the
-    top tier's model unknown (a URL) nothing is judged, and tier 1 reads the pair's score (None)."""
+    """`tier_routers`: below Gemma, tier 1 reads the router Gemma judged and Gemma its own router in that unit
+    (the signed gain); with the top tier's model unknown (a URL) nothing is judged: tier 1 reads the pair's
+    score (None), Gemma its pair's router."""
     from edge_client.generator import shipped_router, tier_routers
 
     judged = tier_routers(edge_model, ["smollm2-135m-q4_1", GEMMA])
     assert judged[0] is None and len(judged) == 3
     assert [r.meta["cloud_model"] for r in judged[1:]] == ["smollm2-135m-q4_1", GEMMA]
     assert judged[1].meta["judge_model"] == GEMMA and judged[1].meta["label_space"] == "text"
+    assert all(r.signed for r in judged[1:])  # the signed gain label: a loss counts against the tier
     assert shipped_router(edge_model.info.name, "smollm2-135m-q4_1", judge=GEMMA) != shipped_router(
         edge_model.info.name, "smollm2-135m-q4_1"
     )
     assert tier_routers(edge_model, ["smollm2-135m-q4_1", ""]) == []  # nothing known to judge by
     top_unknown = tier_routers(edge_model, ["smollm2-135m-q4_1", GEMMA, ""])
     assert top_unknown[1] is None and top_unknown[3] is None and top_unknown[2].meta["cloud_model"] == GEMMA
+    assert not top_unknown[2].signed  # Gemma's pair router: no top to judge by
 
 
 def test_escalate_sends_hard_positions_up_by_score():
@@ -108,8 +111,8 @@ def test_the_cost_engine_keeps_each_answer_within_its_gpu_budget(edge_model, clo
         tiers=[gemma_server],
         decision_engine="cost:gpu_ms=150,gpu_ms_per_token=20",
     )
-    assert isinstance(gen.tier_routers[2], LearnedRouter) and gen.tier_routers[2].meta.get("judge_model") is None
-    assert isinstance(gen.tier_routers[1], LearnedRouter) and gen.tier_routers[1].meta["judge_model"] == GEMMA
+    assert all(isinstance(r, LearnedRouter) and r.signed for r in gen.tier_routers[1:])  # gains in one unit
+    assert gen.tier_routers[1].meta["judge_model"] == GEMMA and gen.tier_routers[2].meta["cloud_model"] == GEMMA
     engine = gen.engine
     assert isinstance(engine, CostEngine)
     seen: list[tuple[float, float, float]] = []
