@@ -275,12 +275,13 @@ def test_a_pool_replays_with_each_tier_priced_at_its_size(tmp_path):
     assert {t for r in rows for t in r["tiers"]} >= {1, 2}, [r["tiers"] for r in rows]
     kinds = [k for k in WORK_FIELDS if k.endswith("_tokens")]
     want = 0.0
-    for r in rows:
+    for r in rows:  # (a row whose answer never asked a tier may have no work there: the engine reads each tier's gain)
         device, cloud, top = r["tier_work"]
-        assert device["passes"] == 0 and cloud["passes"] > 0 and top["passes"] > 0
+        assert device["passes"] == 0
         assert cloud["passes"] + top["passes"] == r["traffic"]["passes"]
         want += GpuCostModel.for_size(8).gpu_seconds(cloud["passes"], sum(cloud[k] for k in kinds))
         want += GpuCostModel.for_size(70.6).gpu_seconds(top["passes"], sum(top[k] for k in kinds))
+    assert all(sum(r["tier_work"][t]["passes"] for r in rows) > 0 for t in (1, 2))
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["tier_sizes"] == [8.0, 70.6] and report["config"]["tier"] == ["gemma3-270m"]
     n_tokens = sum(len(r["tokens"]) for r in rows)

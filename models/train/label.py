@@ -164,9 +164,14 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         if mixed:  # labels in the cloud model's (or the judge's) NLL of the text (text_label.py)
             meta["label_space"] = LABEL_SPACE
             meta["label_rule"] = {"rule": LABEL_RULE, "max_tokens": opts.max_tokens}
-            if judged:
-                return _label_judged(prompts, opts, edge, cloud, paths, todo, meta)
-            return _label_text(prompts, opts, edge, cloud, paths, todo, meta)
+            judge = LlamaModel(model_info(opts.judge)) if judged and opts.judge else None
+            if judge is not None:
+                meta.update(judge_model=judge.info.name, judge_fingerprint=judge.info.fingerprint)
+            try:
+                return _label_text(prompts, opts, edge, cloud, paths, todo, meta, judge)
+            finally:
+                if judge is not None:
+                    judge.close()
         if routed_by is not None:
             meta["routed_by"] = routed_by
         return _label_tokens(prompts, opts, edge, cloud, paths, todo, meta, router)
@@ -213,7 +218,7 @@ def _label_text(
     judge: LlamaModel | None = None,
 ) -> list[Path]:
     """A mixed pair: each prompt labelled on text in the cloud's terms (text_label.py); with a
-    `judge`, the cloud is a tier compared with the device in the judge's terms."""
+    `judge` (a pool's top model), the cloud is a tier compared with the device in the judge's terms."""
     per = opts.prompts_per_shard
     if judge is None:
         labeller = TextLabeller(edge, cloud, threads=opts.threads)
@@ -235,26 +240,6 @@ def _label_text(
         return _write_shards(prompts, opts, paths, todo, meta, label_shard)
     finally:
         labeller.close()
-
-
-def _label_judged(
-    prompts: list[str],
-    opts: LabelOptions,
-    edge: LlamaModel,
-    cloud: LlamaModel,
-    paths: list[Path],
-    todo: list[int],
-    meta: dict,
-) -> list[Path]:
-    """A tier of a pool, judged by the pool's top model (module docstring)."""
-    assert opts.judge is not None
-    judge_info = model_info(opts.judge)
-    judge = LlamaModel(judge_info)
-    meta.update(judge_model=judge_info.name, judge_fingerprint=judge_info.fingerprint)
-    try:
-        return _label_text(prompts, opts, edge, cloud, paths, todo, meta, judge=judge)
-    finally:
-        judge.close()
 
 
 def _write_shards(
