@@ -446,7 +446,7 @@ ROUTERS_DIR = Path(__file__).resolve().parents[1] / "models" / "routers"
 
 def shipped_router(edge_model: str, cloud_model: str, judge: str | None = None) -> Path | None:
     """The trained router shipped for this (device, cloud) model pair, if there is one; with `judge`,
-    the one whose labels that model judged (a pool's tier below the top: `label --judge`)."""
+    the one whose labels that model judged (a pool's tier: `tier_routers`, `label --judge`)."""
     name = f"{edge_model}__{cloud_model}" + (f"__judged-by__{judge}" if judge else "")
     path = ROUTERS_DIR / f"{name}.npz"
     return path if path.is_file() else None

@@ -1,10 +1,11 @@
 """The built-in `cost` engine: per position, the tier whose expected gain best pays for its cost.
 
-For each cloud tier t the engine reads the expected gain of asking it, g_t in [0, 1]: the score of
-the router trained for the device and that tier's model (`Position.score_for(t)`; the device fills
-one per tier where such a router ships, else every tier reads the pair's score). Gains compared
-across tiers must be in one unit: a tier below the top reads the router whose labels the top
-tier's model judged (`tokenrouter-train label --judge`), where one ships. Each tier has a
+For each cloud tier t the engine reads the expected gain of asking it, g_t: the score of the
+router trained for the device and that tier's model (`Position.score_for(t)`; the device fills one
+per tier where such a router ships, else every tier reads the pair's score). Gains compared across
+tiers must be in one unit, so each tier reads the router whose labels the top tier's model judged
+(`tokenrouter-train label --judge`, the signed `gain` label: g_t in (-1, 1), negative where the
+tier's token is expected to be worse than the device's), where one ships. Each tier has a
 cost c_t in GPU-milliseconds per asked token, from the GPU cost model (shared/gpu_cost.py) at the
 tier's model size (`sizes=8/70`: an 8B, then a 70B). The position goes to
 

@@ -19,7 +19,7 @@ Targets (`--label`):
                --regret-nats) on mismatches, 1/2 where the tokens agree. Unweighted BCE's
                minimiser is its expectation, so 2·score - 1 is the expected saturated gain,
                tanh(regret / 2·nats), in (-1, 1): losses count against gains
-               (`LearnedRouter.gain`, what the `cost` engine reads)
+               (`score_tiers` in shared/learned_router.py, what the `cost` engine reads)
 """
 
 from __future__ import annotations
