@@ -10,9 +10,9 @@ Three real models on loopback, the stand-ins of docs/architecture.md ("Tiers"): 
 
 - `device+8B`: the pair device -> Q4_1 (its shipped router);
 - `device+70B`: the pair device -> Gemma (its shipped router);
-- `pool`: device -> Q4_1 -> Gemma, the engine reading an expected gain per tier, in one unit: Gemma's
-  own router, and for Q4_1 the router whose labels Gemma judged (`tokenrouter-train label --judge`;
-  the pair's router where none ships). Each point's `gains` says which;
+- `pool`: device -> Q4_1 -> Gemma, the engine reading an expected gain per tier, in one unit: for
+  each tier the router whose labels Gemma judged (`tokenrouter-train label --judge`, `fit --label
+  gain`; the pair's router where none ships, `tier_routers`). Each point's `gains` says which;
 
 plus the anchors: the device alone and each cloud model alone (every position asked). No
 lookahead and no check: the decision alone is compared.

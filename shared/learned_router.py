@@ -161,11 +161,8 @@ class LearnedRouter:
         self._h2 = np.empty(len(rf.b1), dtype=np.float32)
         self._featurize = LogitFeaturizer(int(rf.meta.get("n_vocab", 1)))
         self.drift = DriftMonitor(np.asarray(rf.meta["reference_histogram"], dtype=np.float64))
-
-    @property
-    def signed(self) -> bool:
-        """Trained on the signed `gain` label (models/train/features.py): `gain` can be negative."""
-        return self.meta.get("label") == "gain"
+        # trained on the signed `gain` label (models/train/features.py): a pool reads 2·score - 1 (score_tiers)
+        self.signed = rf.meta.get("label") == "gain"
 
     @property
     def edge_fingerprint(self) -> str:

@@ -44,9 +44,9 @@ so the labels are the cloud model's NLL of the text at each device position
 cloud's path only (no `route_with`), no divergence rollouts (divergent -1).
 
 A tier of a pool (`judge`, the pool's top model): its labels are in the judge's
-unit, so that every tier's router predicts the same thing (a gain of at least
-`regret_nats` in the judge's NLL of the text): the text rule again, on the
-judge's path, comparing the device's token with the tier's (text_label.py,
+unit, so that every tier's router predicts the same thing (the tier's gain in the
+judge's NLL of the text; fit them with `--label gain`): the text rule again, on
+the judge's path, comparing the device's token with the tier's (text_label.py,
 "Judged by the top tier").
 """
 
@@ -122,8 +122,8 @@ def is_divergent(
 def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
     """Label `prompts` into shards of `prompts_per_shard` prompts; existing shards are kept (resume)."""
     edge_info, cloud_info = model_info(opts.edge_model), model_info(opts.cloud_model)
-    judged = opts.judge is not None and opts.judge != opts.cloud_model
-    mixed = judged or edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint
+    judge_name = opts.judge if opts.judge != opts.cloud_model else None  # a cloud judging itself: a plain pair
+    mixed = judge_name is not None or edge_info.tokenizer_fingerprint != cloud_info.tokenizer_fingerprint
     if mixed and opts.route_with is not None:
         raise ValueError(
             "--routed-by needs one vocabulary; a mixed pair or a judged tier is labelled along the cloud's path only"
@@ -164,7 +164,7 @@ def label(prompts: list[str], opts: LabelOptions) -> list[Path]:
         if mixed:  # labels in the cloud model's (or the judge's) NLL of the text (text_label.py)
             meta["label_space"] = LABEL_SPACE
             meta["label_rule"] = {"rule": LABEL_RULE, "max_tokens": opts.max_tokens}
-            judge = LlamaModel(model_info(opts.judge)) if judged and opts.judge else None
+            judge = LlamaModel(model_info(judge_name)) if judge_name is not None else None
             if judge is not None:
                 meta.update(judge_model=judge.info.name, judge_fingerprint=judge.info.fingerprint)
             try:
@@ -220,11 +220,8 @@ def _label_text(
     """A mixed pair: each prompt labelled on text in the cloud's terms (text_label.py); with a
     `judge` (a pool's top model), the cloud is a tier compared with the device in the judge's terms."""
     per = opts.prompts_per_shard
-    if judge is None:
-        labeller = TextLabeller(edge, cloud, threads=opts.threads)
-    else:
-        labeller = TextLabeller(edge, judge, threads=opts.threads, proposer=cloud)
     scorer = judge or cloud
+    labeller = TextLabeller(edge, scorer, threads=opts.threads, proposer=cloud if judge is not None else None)
 
     def label_shard(i: int) -> dict[str, list]:
         rows: dict[str, list] = {c: [] for c in COLUMNS}

@@ -33,8 +33,8 @@ state, LOGIT_FEATURES, proposed greedy token e) and, in the cloud's terms on tex
     divergent    -1 (not labelled: the divergence rollouts are not run in text mode; `fit
                  --label divergent` then falls back to mismatch, as for live rows)
 
-Judged by the top tier (`label --judge`): a pool needs each tier's gain in one unit, so a tier
-below the top is labelled by the top model too. The path and the measure stay the judge's (its
+Judged by the top tier (`label --judge`): a pool needs each tier's gain in one unit, so every
+tier is labelled by the top model (the top tier itself by the plain rule above). The path and the measure stay the judge's (its
 greedy answer, its NLL of the text), the compared token c is the tier's own greedy token where it
 reads the device's tokens of that answer (the tier shares the device's vocabulary), and
 regret is the same rule with b_c the tier's bytes. Without `--judge` the judge is the cloud itself.
