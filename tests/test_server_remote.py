@@ -490,7 +490,7 @@ def test_check_all_through_the_remote_engine(remote_cloud, edge):
 def test_a_voice_file_turn_with_every_default_through_the_remote_engine(remote_cloud, tmp_path, monkeypatch):
     """One short spoken question from a WAV file, answered with every default through the remote engine."""
     pytest.importorskip("faster_whisper")
-    from voice_audio import spoken_wav
+    from voice_audio import speaker, spoken_wav
 
     import edge_client.generator as generator_module
     from edge_client.voice.cli import run_file_turn
@@ -508,7 +508,7 @@ def test_a_voice_file_turn_with_every_default_through_the_remote_engine(remote_c
     opts = GeneratorOptions(cloud=remote_cloud.url, api_key=remote_cloud.api_key, max_tokens=40)
     with open_generator(opts) as gen:
         engines = Engines(gen)
-        q = spoken_wav(engines.synth, "How do I reset my router?", tmp_path / "q.wav")
+        q = spoken_wav(speaker(), "How do I reset my router?", tmp_path / "q.wav")
         obj = run_file_turn(
             gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(max_tokens=40), realtime=False, engines=engines
         )

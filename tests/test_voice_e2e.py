@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from voice_audio import heard_as, speech_span, spoken_wav, spoken_wav_with_pauses, virtual_devices, wer, words
+from voice_audio import heard_as, speaker, speech_span, spoken_wav, spoken_wav_with_pauses, virtual_devices, wer, words
 
 from edge_client.options import DEFAULT_CHECK
 from edge_client.voice.audio_io import FileSink, FileSource, Microphone, Speaker
@@ -52,7 +52,7 @@ def assert_timings_ordered(t, draft: str = "off") -> None:
 
 
 def test_file_mode_transcribes_answers_and_speaks(engines, tmp_path):
-    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav")
     obj = run_file_turn(engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines)
     assert wer(QUESTION, obj["transcript"]) <= 0.2
     a = obj["answer"]
@@ -89,7 +89,7 @@ def test_file_mode_with_the_clouds_check(engines, tmp_path, monkeypatch, request
     monkeypatch.setattr(generator, "_CHECK", Spy())
     gen.reconfigure(check=mode)
     request.addfinalizer(lambda: gen.reconfigure(check=DEFAULT_CHECK))
-    q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me about the history of Rome.", tmp_path / "q.wav")
     obj = run_file_turn(
         gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(max_tokens=40), realtime=True, engines=engines
     )
@@ -131,7 +131,7 @@ def test_generation_waits_while_the_first_clause_is_synthesised(engines, tmp_pat
         yield from real_chunks(text)
         windows.append((t0, time.monotonic()))
 
-    q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me about the history of Rome.", tmp_path / "q.wav")
     monkeypatch.setattr(engines, "gen", spy)
     monkeypatch.setattr(engines.synth, "chunks", timed_chunks)
     obj = run_file_turn(spy, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=False, engines=engines)
@@ -158,7 +158,7 @@ def test_a_late_piece_of_the_reply_is_reported_as_a_playback_gap(engines, tmp_pa
             samples[-1] += len(audio)
             yield audio
 
-    q = spoken_wav(engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me about the history of Rome.", tmp_path / "q.wav")
     monkeypatch.setattr(engines.synth, "chunks", late_chunks)
     obj = run_file_turn(
         engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines, reply_limit_s=1.5
@@ -179,7 +179,7 @@ def test_a_reply_opening_said_before_plays_from_the_synthesisers_cache(engines, 
     no Piper run. Which words the model says is not fixed here; the report must match what was said."""
     from edge_client.voice.tts import Synthesizer, TtsOptions, speakable
 
-    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav")
     synth = Synthesizer(TtsOptions(warm_openers=False))
     monkeypatch.setattr(engines, "synth", synth)
     said: list[list[tuple[str, list, list]]] = []  # per turn: (piece, its audio arrays, [True] once whole)
@@ -258,7 +258,7 @@ def _run_pipeline(pipe: VoicePipeline, max_turns: int) -> tuple[threading.Thread
 
 def test_real_devices_answer_is_heard_on_the_speaker(engines, tmp_path):
     with virtual_devices() as dev:
-        q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+        q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav")
         pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), VoiceOptions())
         with dev.record_speaker() as rec:
             th, out = _run_pipeline(pipe, 1)
@@ -279,9 +279,9 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
     """Full duplex on virtual devices: a second utterance during a long reply interrupts it."""
     opts = VoiceOptions(full_duplex=True, max_tokens=96)
     opts.dialogue.system_prompt = "You are a helpful voice assistant. Answer in detail, in many long sentences."
-    q1 = spoken_wav(engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q1.wav")
+    q1 = spoken_wav(speaker(), "Tell me a long story about a dragon and a knight.", tmp_path / "q1.wav")
     q2 = spoken_wav(
-        engines.synth, "What time is it right now?", tmp_path / "q2.wav", lead_s=0.0
+        speaker(), "What time is it right now?", tmp_path / "q2.wav", lead_s=0.0
     )  # no comma: a pause would end the turn early
     lead2 = speech_span(read_wav(q2)[0], 16000)[0]
     with virtual_devices() as dev:
@@ -324,7 +324,7 @@ def test_a_mid_sentence_pause_is_waited_out_and_answered_once(engines, tmp_path)
     whole question. The pause is judged unfinished (long wait), the end finished; the reply's first
     sample comes after the endpoint, which came after "France" (it is in the transcript)."""
     wav = tmp_path / "paused.wav"
-    assert spoken_wav_with_pauses(engines.synth, PAUSED, {0: 600}, wav) is not None
+    assert spoken_wav_with_pauses(speaker(), PAUSED, {0: 600}, wav) is not None
     with virtual_devices() as dev:
         pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), VoiceOptions())
         th, out = _run_pipeline(pipe, None)
@@ -350,7 +350,7 @@ def test_a_mid_sentence_pause_is_waited_out_and_answered_once(engines, tmp_path)
 def test_silence_only_cuts_the_same_question_off(engines, tmp_path):
     """The contrast that shows the test above can fail: with silence alone (250 ms) the turn ends at the pause."""
     wav = tmp_path / "paused.wav"
-    spoken_wav_with_pauses(engines.synth, PAUSED, {0: 600}, wav)
+    spoken_wav_with_pauses(speaker(), PAUSED, {0: 600}, wav)
     opts = VoiceOptions(turn=TurnOptions(mode="silence"))
     obj = run_file_turn(
         engines.gen, str(wav), str(tmp_path / "r.wav"), opts, realtime=True, engines=engines, reply_limit_s=0.0
@@ -363,7 +363,7 @@ def test_silence_only_cuts_the_same_question_off(engines, tmp_path):
 CONTENT_WORD_PAUSES = [("convert fifty miles to kilometers", 2), ("play some jazz music", 2)]
 
 
-@pytest.mark.parametrize("voice", ["piper", "espeak:en-us"])
+@pytest.mark.parametrize("voice", ["piper:fixed", "espeak:en-us"])
 def test_a_request_paused_after_a_content_word_is_answered_once_after_the_whole_request(engines, tmp_path, voice):
     """Each half synthesised apart (the first ends with a finished-sounding fall) and a 700 ms pause between,
     in Piper's voice and in espeak-ng's (one the project never tuned on): one turn, whose speech ends at the
@@ -400,7 +400,7 @@ def test_without_the_device_models_reading_the_turn_still_ends_and_says_so(engin
         raise RuntimeError("no logits")
 
     monkeypatch.setattr(engines.gen, "end_of_message", broken)
-    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav", lead_s=0.5, tail_s=0.5)
+    q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav", lead_s=0.5, tail_s=0.5)
     obj = run_file_turn(
         engines.gen, str(q), str(tmp_path / "r.wav"), VoiceOptions(), realtime=True, engines=engines, reply_limit_s=0.0
     )
@@ -413,7 +413,7 @@ def test_without_the_device_models_reading_the_turn_still_ends_and_says_so(engin
 def demo_turn(engines, tmp_path_factory):
     """The demo question (scripts/demo.py) once through file mode at real-time pace, with the defaults."""
     tmp = tmp_path_factory.mktemp("demo")
-    q = spoken_wav(engines.synth, QUESTION, tmp / "q.wav", lead_s=0.5, tail_s=0.5)
+    q = spoken_wav(speaker(), QUESTION, tmp / "q.wav", lead_s=0.5, tail_s=0.5)
     return run_file_turn(engines.gen, str(q), str(tmp / "r.wav"), VoiceOptions(), realtime=True, engines=engines)
 
 
@@ -438,7 +438,7 @@ def test_a_missing_end_of_turn_model_is_a_clear_error_or_a_visible_fallback(engi
     fake = tmp_path / "fake"
     (fake / "pipecat").mkdir(parents=True)
     (fake / "pipecat" / "__init__.py").write_text("")
-    q = spoken_wav(engines.synth, QUESTION, tmp_path / "q.wav")
+    q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav")
     env = dict(os.environ, PYTHONPATH=f"{fake}:{ROOT}")
     r = subprocess.run(
         [sys.executable, "-m", "edge_client.cli", "file", str(q), "--out", str(tmp_path / "o.wav")],

@@ -254,9 +254,9 @@ def test_missing_device_says_how_to_list():
 
 
 def _speech(text: str) -> np.ndarray:
-    from edge_client.voice.tts import Synthesizer
+    from voice_audio import speaker
 
-    s = Synthesizer()
+    s = speaker()
     return resample(s.synthesize(text), s.rate, 16000)
 
 

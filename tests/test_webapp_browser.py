@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
-from voice_audio import spoken_wav, wer
+from voice_audio import speaker, spoken_wav, wer
 
 from edge_client.options import GeneratorOptions
 from edge_client.voice.events import Interruption, ReplyHeld
@@ -259,7 +259,7 @@ def test_spoken_question_answered_in_the_page(app, tmp_path):
     the reply audio played by the page, the waterfall and the history all shown; a screenshot under build/
     (`make screenshot` puts it in docs/: tests never change tracked files)."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, QUESTION, tmp_path / "q.wav", lead_s=1.0, tail_s=4.0)
+    q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav", lead_s=1.0, tail_s=4.0)
     with chromium(srv.url, q) as d:
         ready(d, core)
         wait_for(turns_done(core, 1), 60, "the turn", d)
@@ -343,7 +343,7 @@ def test_barge_in_stops_the_reply_and_keeps_what_was_played(app, long_answers, t
     """A second question while the reply plays (open speakers are fine: the browser cancels the echo):
     the reply pauses within the barge-in time, stops, and the history keeps only what the page played."""
     core, srv = app
-    synth = core.engines.synth
+    synth = speaker()
     q1 = resample(synth.synthesize("Tell me a long story about a dragon and a knight."), synth.rate, 16000)
     q2 = resample(synth.synthesize("What time is it right now?"), synth.rate, 16000)
     z = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
@@ -368,7 +368,7 @@ def test_barge_in_stops_the_reply_and_keeps_what_was_played(app, long_answers, t
 
 def test_refused_microphone_is_explained_and_a_dropped_file_still_works(app, tmp_path):
     core, srv = app
-    src = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q16.wav")
+    src = spoken_wav(speaker(), "What is the capital city of France?", tmp_path / "q16.wav")
     ext = tmp_path / "question.wav"  # what people have: a sox-made 24-bit WAV, extensible header
     subprocess.run(["sox", str(src), "-b", "24", "-r", "44100", str(ext)], check=True)
     assert ext.read_bytes()[20:22] == b"\xfe\xff"
@@ -391,7 +391,7 @@ def test_settings_on_the_page_bad_values_and_a_cloud_that_is_down(app, tmp_path)
     """Settings from the dialog apply to the next answer; bad ones are refused there with the reason; a
     dead cloud fails its connection test, and answers still come (from the device), marked as such."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "What is the capital city of France?", tmp_path / "q.wav")
     with chromium(srv.url) as d:
         ready(d, core)
 
@@ -451,7 +451,7 @@ def test_cloud_lost_mid_answer(app, long_answers, tmp_path):
     from cloud_server.local import LocalCloudServer
 
     core, srv = app
-    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
     with LocalCloudServer(model=core.gen_opts.cloud_model) as cloud:
         core.apply({"cloud": cloud.url, "api_key": cloud.api_key})
         with chromium(srv.url) as d:
@@ -469,7 +469,7 @@ def test_cloud_lost_mid_answer(app, long_answers, tmp_path):
 
 def test_second_tab_takes_over_and_closing_the_tab_frees_the_pipeline(app, long_answers, tmp_path):
     core, srv = app
-    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
     with chromium(srv.url) as d:
         first = ready(d, core)
         tab_a = d.current_window_handle
@@ -530,7 +530,7 @@ def test_releasing_the_key_ends_the_turn_at_once(app, tmp_path):
     from selenium.webdriver.common.keys import Keys
 
     core, srv = app
-    q = spoken_wav(core.engines.synth, "What is the capital city of", tmp_path / "q.wav", lead_s=3.0, tail_s=8.0)
+    q = spoken_wav(speaker(), "What is the capital city of", tmp_path / "q.wav", lead_s=3.0, tail_s=8.0)
     core.apply({"talk_mode": "push-to-talk"})
     with chromium(srv.url, q) as d:
         s = ready(d, core)
@@ -550,7 +550,7 @@ def test_the_stop_button_stops_the_reply_and_keeps_what_was_played(app, long_ans
     """The stop button (or Esc) is a barge-in without speech: the reply stops, the history keeps only
     what the page played, and the pipeline listens again."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
     rate = core.engines.synth.rate
     with chromium(srv.url, q) as d:
         s = ready(d, core)
@@ -580,7 +580,7 @@ def test_echo_cancellation_on_open_speakers(app, long_answers, tmp_path):
     from voice_audio import virtual_devices
 
     core, srv = app
-    q = spoken_wav(core.engines.synth, "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me a long story about a dragon and a knight.", tmp_path / "q.wav")
     rate = core.engines.synth.rate
     outcome: dict[bool, tuple[int, int, float]] = {}
     with virtual_devices() as dev:
@@ -620,7 +620,7 @@ def test_device_audio_mode_uses_the_machines_devices(app, tmp_path):
     from edge_client.voice.audio_io import Speaker
 
     core, srv = app
-    q = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "What is the capital city of France?", tmp_path / "q.wav")
     with virtual_devices() as dev:
         core.audio = "device"
         try:
@@ -700,7 +700,7 @@ def test_the_first_minute_explains_itself(app, tmp_path):
     (not refused with a 409) and asked once Start is clicked; the empty page says how to begin. The bare
     address (no token) says where the full one is."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, "What is the capital city of France?", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "What is the capital city of France?", tmp_path / "q.wav")
     shots = SCREENSHOT.parent
     shots.mkdir(parents=True, exist_ok=True)
     with chromium(srv.url, deny_mic=True) as d:  # headless Chromium then wants a click before sound, as people see
@@ -816,7 +816,7 @@ def test_reload_and_reset_keep_the_conversation_true(app, tmp_path):
     """A reloaded page shows past answers with their cloud marks and the last turn's panel, from the app's
     records; Reset leaves the old turns readable below a divider, marked forgotten, and a reload then shows none."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, QUESTION, tmp_path / "q.wav")
+    q = spoken_wav(speaker(), QUESTION, tmp_path / "q.wav")
     with chromium(srv.url) as d:
         ready(d, core)
         ask_file(d, q)
@@ -851,7 +851,7 @@ def test_honest_labels_a_cut_answer_and_the_cloud_share(app, tmp_path):
     """An answer cut at the token limit says so (not "complete"); the cloud share is shown against its target,
     with why this answer differs; at 0 % the device answers alone: no cloud traffic at all."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, "Tell me about the history of Rome.", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "Tell me about the history of Rome.", tmp_path / "q.wav")
     saved = core.vopts.max_tokens
     core.vopts.max_tokens = 8  # the pipeline reads it when it starts (one per tab)
     try:
@@ -883,7 +883,7 @@ def test_an_answer_a_base_model_helped_write_says_so(app, gemma_server, tmp_path
     and says why; allowed (as `--allow-base-model` does), the answer on the page carries the warning
     the generator gives (a base model continues text); back on the chat cloud, the next one does not."""
     core, srv = app
-    q = spoken_wav(core.engines.synth, "What is the capital of France?", tmp_path / "q.wav")
+    q = spoken_wav(speaker(), "What is the capital of France?", tmp_path / "q.wav")
     with chromium(srv.url) as d:
         s = ready(d, core)
         core.apply({"cloud": gemma_server.url, "api_key": gemma_server.api_key})

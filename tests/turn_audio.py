@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-from voice_audio import _quiet_runs, speech_span
+from voice_audio import _quiet_runs, speaker, speech_span
 
 from edge_client.voice.assets import whisper_model_dir
 from edge_client.voice.resample import resample
@@ -90,13 +90,14 @@ def voices(names: list[str]) -> dict[str, object]:
     "piper:fixed" (no sampling: the same audio every run, for tests) or "espeak:<voice>"."""
     out: dict[str, object] = {}
     for name in names:
-        if name in ("piper", "piper:fixed"):
+        if name == "piper:fixed":
+            out[name] = speaker()
+        elif name == "piper":
             from edge_client.voice.tts import Synthesizer, TtsOptions
 
             # no cache and no warm-up: every query is new text, and the cache would replay one sample of
             # Piper's prosody for every item whose half is a short repeated phrase
-            fixed = {"noise_scale": 0.0, "noise_w_scale": 0.0} if name == "piper:fixed" else {}
-            out[name] = Synthesizer(TtsOptions(warm_openers=False, cache_max_words=0, **fixed))
+            out[name] = Synthesizer(TtsOptions(warm_openers=False, cache_max_words=0))
         elif name.startswith("espeak:"):
             out[name] = EspeakVoice(name.split(":", 1)[1])
         else:

@@ -12,6 +12,7 @@ If PulseAudio cannot start, the caller gets pytest.skip with the reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -140,8 +141,20 @@ def virtual_devices() -> Iterator[VirtualDevices]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@functools.cache
+def speaker():
+    """The person in the tests: the bundled Piper voice with its prosody sampling off, so a test hears the
+    same audio on every run and machine. The assistant's own voice samples its prosody (as people vary
+    theirs), which once made a test pass or fail by the draw; variety belongs in the benchmarks
+    (scripts/bench_turns.py, several voices and many samples), not in pass/fail checks."""
+    from edge_client.voice.tts import Synthesizer, TtsOptions
+
+    # no cache and no warm-up: every phrase is synthesised afresh (and identically)
+    return Synthesizer(TtsOptions(warm_openers=False, cache_max_words=0, noise_scale=0.0, noise_w_scale=0.0))
+
+
 def spoken_wav(synth, text: str, path: Path, lead_s: float = 0.4, tail_s: float = 0.4, rate: int = 16000) -> Path:
-    """Synthesise `text` with Piper into a WAV at `rate` with silence around it."""
+    """Synthesise `text` with `synth` (usually `speaker()`) into a WAV at `rate` with silence around it."""
     a = resample(synth.synthesize(text), synth.rate, rate)
     z = lambda s: np.zeros(int(s * rate), np.float32)  # noqa: E731
     write_wav(path, np.concatenate([z(lead_s), 0.8 * a, z(tail_s)]), rate)
