@@ -257,7 +257,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    cols = ["gpu_s_per_1k_tokens", *(f"gap_recovered_{m}" for m in pool.judges), "speaks_as_user", "says_question_back"]
+    cols = [
+        "gpu_s_per_1k_tokens",
+        *(f"gap_recovered_{m}" for m in pool.judges),
+        "speaks_as_user",
+        "says_question_back",
+        "recites_instructions",
+    ]
     print(f"{'config':18s}" + "".join(f"{c[:22]:>24s}" for c in cols) + "  pareto")
     for p in report["points"]:
         print(f"{p['config']:18s}" + "".join(f"{p[c]!s:>24s}" for c in cols) + ("  *" if p["pareto"] else ""))

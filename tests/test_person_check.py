@@ -8,6 +8,7 @@ from models.train.person_check import (
     continues_transcript,
     first_sentence,
     person_counts,
+    recites_instructions,
     says_question_back,
     speaks_as_user,
 )
@@ -55,11 +56,31 @@ def test_an_answer_that_writes_the_chats_next_turns_is_flagged():
     assert not continues_transcript("Paris.\nIt is the capital: a large city.")
 
 
+def test_an_answer_that_recites_the_system_prompt_is_flagged():
+    """The pool's test answers at the top spend (build/pool2/test.json), and the device's own wording."""
+    assert recites_instructions("You are a helpful voice assistant. Answer briefly, in one or two sentences.")
+    assert recites_instructions("You're a helpful voice assistant.")
+    assert recites_instructions("Answer briefly, in one or two sentences.")
+    assert not recites_instructions("I am a voice assistant designed to help you.")
+    assert not recites_instructions("Yes, you can swap applesauce for oil.")
+    assert not recites_instructions("")
+    # another prompt, another recital
+    assert recites_instructions("You are a pirate.", instructions="You are a pirate. Speak like one.")
+    assert not recites_instructions("You are a helpful voice assistant.", instructions="You are a pirate.")
+
+
 def test_counts_over_pairs():
     pairs = [
         ("how do i reset my wifi router", AS_USER[0]),
         ("q", "The capital of France is Paris."),
         ("what time is it", "What time is it?"),
+        ("put a freeze on my account", "You are a helpful voice assistant. Answer briefly, in one or two sentences."),
     ]
-    want = {"speaks_as_user": 1, "says_question_back": 1, "continues_transcript": 0, "answers_read": 3}
+    want = {
+        "speaks_as_user": 1,
+        "says_question_back": 1,
+        "continues_transcript": 0,
+        "recites_instructions": 1,
+        "answers_read": 4,
+    }
     assert person_counts(pairs) == want

@@ -13,7 +13,11 @@ well, because it is a likely next line of a chat. Two checks a reader makes at a
 - **says the question back**: the first sentence is the question again (ROUGE-L F1 >= 0.8 of
   their words), rather than its answer;
 - **continues the transcript**: a later line opens with a role label ("System: You are...",
-  "Voice assistant:"): the model wrote the chat's next turns, not an answer.
+  "Voice assistant:"): the model wrote the chat's next turns, not an answer;
+- **recites the instructions**: the first sentence is a sentence of the system prompt again ("You are
+  a helpful voice assistant."), which the likelihood of a model that reads the prompt rewards: it is
+  the likeliest text in the context. Read in the pool's test answers, where it was 11 of 40 at the
+  top spend (docs/journal/router.md, 2026-12-07).
 
 Rules of thumb, checked against answers read side by side (docs/router.md, "Read side by side"):
 a clarifying question without a first-person request ("Which router do you have?") is not
@@ -26,6 +30,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from shared.prompting import DEFAULT_SYSTEM_PROMPT
 from shared.textmetrics import rouge_l_f1
 
 REPEAT_F1 = 0.8  # a first sentence this close to the question (ROUGE-L F1 of words) says it back
@@ -72,13 +77,30 @@ def continues_transcript(answer: str) -> bool:
     return bool(_ROLE_LINE.search(answer))
 
 
-def person_counts(pairs: Iterable[tuple[str, str]]) -> dict[str, int]:
-    """Over (question, answer) pairs: how many answers speak as the user, say the question back or
-    continue the transcript, and how many were read; the evals add these to each point."""
-    n = user = back = more = 0
+def recites_instructions(answer: str, instructions: str = DEFAULT_SYSTEM_PROMPT) -> bool:
+    """The answer's first sentence is one of the system prompt's sentences again (ROUGE-L F1 of words >=
+    REPEAT_F1): "You're a helpful voice assistant." answers nothing."""
+    words = lambda t: re.sub(r"[^\w\s]", " ", t)  # noqa: E731  ("you're" is "you re", a word off "you are")
+    first = words(first_sentence(answer))
+    said = (words(s) for s in _SENTENCE_END.split(instructions.strip()) if s.strip())
+    return bool(first.strip()) and any(rouge_l_f1(first, s) >= REPEAT_F1 for s in said)
+
+
+def person_counts(pairs: Iterable[tuple[str, str]], instructions: str = DEFAULT_SYSTEM_PROMPT) -> dict[str, int]:
+    """Over (question, answer) pairs: how many answers speak as the user, say the question back,
+    continue the transcript or recite the system prompt (`instructions`), and how many were read;
+    the evals add these to each point."""
+    n = user = back = more = recited = 0
     for question, answer in pairs:
         n += 1
         user += speaks_as_user(answer)
         back += says_question_back(question, answer)
         more += continues_transcript(answer)
-    return {"speaks_as_user": user, "says_question_back": back, "continues_transcript": more, "answers_read": n}
+        recited += recites_instructions(answer, instructions)
+    return {
+        "speaks_as_user": user,
+        "says_question_back": back,
+        "continues_transcript": more,
+        "recites_instructions": recited,
+        "answers_read": n,
+    }
