@@ -58,3 +58,4 @@ def test_voice_flags_left_out_give_the_voice_options_defaults():
     assert VoiceOptions().dialogue.system_prompt == VOICE_PROMPT != GeneratorOptions().system_prompt
     args = p.parse_args(["--system-prompt", "Be terse."])
     assert voice_options_from_args(args).dialogue.system_prompt == options_from_args(args).system_prompt == "Be terse."
+    assert voice_options_from_args(p.parse_args(["--misheard-word-prob", "0.2"])).turn.misheard_word_prob == 0.2

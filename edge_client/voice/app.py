@@ -66,6 +66,7 @@ class ViewState:
                 p = "" if d.probability is None else f"Smart Turn p={d.probability:.2f}"
                 p += ("; " if p else "") + ("" if d.text_end is None else f"text P(end)={d.text_end:.3f}")
                 cue = "transcript mid-phrase" if d.text_unfinished else ""
+                cue = cue or ("last word likely misheard" if d.text_misheard else "")
                 cue = cue or ("the transcript closed itself" if d.text_sure_end else "")
                 why = ", ".join(x for x in (p, cue) if x)
                 self.status = (

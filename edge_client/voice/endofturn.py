@@ -15,7 +15,8 @@ ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
   at a hesitation often comes out so).
 
 Decision: the wait is short only when the signals agree. A transcript that reads as unfinished
-(the rule, or P(end) under `text_unfinished_below`) waits `max_wait_ms` whatever the audio says
+(the rule, or P(end) under `text_unfinished_below`), or, opted in, whose last word Whisper barely
+chose (likely misheard, so it cannot say the request is over), waits `max_wait_ms` whatever the audio says
 (Smart Turn judged 30-50 % of hesitations finished, more in voices it was not tuned on); a question
 Whisper closed and is sure of, with P(end) agreeing, ends after `min_wait_ms` without asking Smart
 Turn; otherwise the wait grows with the larger doubt, the audio's (Smart Turn under its threshold)
@@ -211,6 +212,13 @@ class TurnOptions:
     # A last word that sounds like a function word ("that", "too", "you") and that Whisper gave a probability
     # under this counts as mid-phrase (0: never)
     unsure_word_prob: float = 0.9
+    # A last word Whisper gave a probability under this is likely misheard: a fragment cut at a pause can come out
+    # as a finished-looking phrase ("convert fifty" as "Inburg 50."), so the transcript cannot say the request is
+    # over and the turn waits `max_wait_ms` (0: never, the default). An opt-in trade: at 0.2 (chosen on the pause
+    # benchmark's tune split) its test split cut off 10.4 % of paused requests against 12.1 %, but the wait at
+    # fluent ends grew past the dead-air goal (espeak en-gb mean +78 ms, p50 200 -> 799 ms), since Whisper is
+    # as unsure of some real last words ("visa", "Robbie") (docs/journal/voice.md).
+    misheard_word_prob: float = 0.0
     # A transcript that ends on "?" with Whisper at least this sure of its last word ends the turn after the
     # short wait without asking Smart Turn (1: always ask). Smart Turn doubts the real end of hesitant speech
     # (p < 0.1 after an "um" on many paused questions); over 550 syntheses this took paused ends waiting
@@ -224,8 +232,9 @@ class TurnOptions:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"turn mode must be one of {MODES}, not {self.mode!r}")
-        if not 0 <= self.sure_end_prob <= 1:
-            raise ValueError(f"sure_end_prob must be within [0, 1], not {self.sure_end_prob}")
+        for name in ("sure_end_prob", "unsure_word_prob", "misheard_word_prob"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be within [0, 1], not {getattr(self, name)}")
         if not 0 < self.min_wait_ms <= self.max_wait_ms:
             raise ValueError(f"need 0 < min wait ({self.min_wait_ms} ms) <= max wait ({self.max_wait_ms} ms)")
         if self.judge_at not in JUDGE_AT:
@@ -250,6 +259,7 @@ class TurnDecision:
     text_unfinished: bool | None = None  # the transcript ended mid-phrase (function-word rule or device model)
     text_end: float | None = None  # the device model's P(the request ends after the transcript's last word)
     text_sure_end: bool | None = None  # a question Whisper closed, sure of its last word: Smart Turn not asked
+    text_misheard: bool | None = None  # Whisper barely chose the last word: the transcript cannot end the turn
     last_word_prob: float | None = None  # Whisper's probability of the transcript's last word
     wait_ms: int | None = None  # the silence that ended the turn
     pauses: int = 0  # pauses the person resumed from (each judged unfinished or too short)
@@ -267,10 +277,15 @@ class TurnDecision:
         return d
 
     @property
+    def text_waits(self) -> bool:
+        """The transcript alone sets the long wait: it ends mid-phrase, or its last word was likely misheard."""
+        return bool(self.text_unfinished or self.text_misheard)
+
+    @property
     def text_decides(self) -> bool:
-        """The transcript settles the wait alone, so Smart Turn is not asked: mid-phrase (the long wait) or a
-        question Whisper closed and is sure of (the short one)."""
-        return bool(self.text_unfinished or self.text_sure_end)
+        """The transcript settles the wait alone, so Smart Turn is not asked: mid-phrase or misheard (the long
+        wait) or a question Whisper closed and is sure of (the short one)."""
+        return self.text_waits or bool(self.text_sure_end)
 
     @property
     def judged_by(self) -> str:
@@ -287,6 +302,7 @@ class TurnDecision:
         verdict = {True: "finished", False: "unfinished", None: "undecided"}[self.finished]
         text = "" if self.text_end is None else f", text P(end)={self.text_end:.3f}"
         text += " (transcript unfinished)" if self.text_unfinished else ""
+        text += " (last word likely misheard)" if self.text_misheard else ""
         if self.text_sure_end:
             p, text = "not asked", " (the transcript closed itself)"
         return (
@@ -327,8 +343,11 @@ class EndOfTurn:
         d.text_end = text_end if self.opts.text_model else None
         if self.opts.text_cue:
             d.text_unfinished = self.unfinished(text, last_word_prob, d.text_end)
+            d.text_misheard = (
+                not d.text_unfinished and last_word_prob is not None and last_word_prob < self.opts.misheard_word_prob
+            )
             d.text_sure_end = (
-                not d.text_unfinished
+                not d.text_waits
                 and sure_ending(text, last_word_prob, self.opts.sure_end_prob)
                 # a "?" Whisper put after a fragment ("...do you want?") is not a closed question
                 and (d.text_end is None or d.text_end >= self.opts.text_finished_from)
@@ -360,14 +379,14 @@ class EndOfTurn:
 
         The wait is short only when the signals agree: it grows with the larger of two doubts, the
         audio's (Smart Turn under its threshold) and the text's (`text_doubt`), from `min_wait_ms`
-        to `max_wait_ms`. A transcript that decides alone (mid-phrase, or a sure closed question)
-        is not sent to Smart Turn."""
+        to `max_wait_ms`. A transcript that decides alone (mid-phrase or misheard, or a sure closed
+        question) is not sent to Smart Turn."""
         if not self.smart:
             return stop_delay_ms
         o = self.opts
         if o.text_cue and text_known and d.text_decides:
-            d.finished = not d.text_unfinished  # the transcript decides alone, Smart Turn is not asked
-            return o.max_wait_ms if d.text_unfinished else o.min_wait_ms
+            d.finished = not d.text_waits  # the transcript decides alone, Smart Turn is not asked
+            return o.max_wait_ms if d.text_waits else o.min_wait_ms
         if d.probability is None or (o.text_cue and not text_known):
             return None
         # Smart Turn says unfinished at the end of ~15% of fluent questions here (p < 0.1), so its doubt

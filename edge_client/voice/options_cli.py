@@ -92,6 +92,13 @@ def _add_turn_options(g: argparse._ArgumentGroup) -> None:
         "probability counts as mid-phrase (0: never; default 0.9)",
     )
     g.add_argument(
+        "--misheard-word-prob",
+        type=float,
+        default=T.misheard_word_prob,
+        help="a last word Whisper gave under this probability is likely misheard: the turn waits --max-wait-ms "
+        "(0: never; default %(default)s)",
+    )
+    g.add_argument(
         "--no-text-model",
         action="store_true",
         help="end turns without the device model's P(end of request) after the transcript's last word "
@@ -178,6 +185,7 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
             threshold=args.turn_threshold,
             sure_end_prob=args.sure_end_prob,
             unsure_word_prob=args.unsure_word_prob,
+            misheard_word_prob=args.misheard_word_prob,
             text_model=not args.no_text_model,
             text_unfinished_below=args.text_unfinished_below,
             text_finished_from=args.text_finished_from,

@@ -504,6 +504,7 @@ function describeEndOfTurn(d) {
   if (d.probability !== null && d.probability !== undefined) why.push(`Smart Turn ${d.probability.toFixed(2)}`);
   if (d.text_end !== null && d.text_end !== undefined) why.push(`text P(end) ${d.text_end.toFixed(3)}`);
   if (d.text_sure_end) why.push("a sure question");
+  if (d.text_misheard) why.push("last word likely misheard");
   return `after ${d.wait_ms} ms of silence` + (why.length ? ` · ${why.join(" · ")}` : "") + (d.note ? ` · ${d.note}` : "");
 }
 
