@@ -314,6 +314,40 @@ def test_barge_in_stops_playback_and_keeps_only_what_was_played(engines, tmp_pat
     assert wer("what time is it", second.transcript) <= 0.5 or "time" in second.transcript.lower()
 
 
+def test_speech_that_goes_on_over_the_reply_joins_the_request_it_cut_off(engines, tmp_path):
+    """Full duplex on virtual devices: "what time does the store close", 900 ms of silence, "on Sunday". The
+    first half is a whole request, taken for an end (here by silence alone, 250 ms, so the cut-off is certain:
+    with every default Smart Turn and the transcript also read it as finished, docs/voice.md). The reply
+    starts, the person goes on within the longest wait for a pause (1200 ms), and that reply stops and is not
+    kept: the next turn answers the whole request, and the history holds one exchange. The barge-in test
+    above is the contrast: speech long after the person's last word is a new request."""
+    from turn_audio import halves_speech, wav_with_silence
+
+    from edge_client.voice.dialogue import join_request
+
+    said = "what time does the store close on sunday".split()
+    wav = tmp_path / "went_on.wav"
+    wav_with_silence(halves_speech(speaker(), said, 6, 900), wav, lead_s=0.3, tail_s=0.3)
+    opts = VoiceOptions(full_duplex=True, turn=TurnOptions(mode="silence"))
+    with virtual_devices() as dev:
+        pipe = VoicePipeline(engines, Microphone("tr_mic"), Speaker("tr_speaker", engines.synth.rate), opts)
+        th, out = _run_pipeline(pipe, 2)
+        time.sleep(0.3)
+        dev.play_into_mic(wav).wait(timeout=20)
+        th.join(timeout=60)
+        out["stop"].set()
+    cut, whole = out["turns"][:2]
+    assert cut.interrupted and cut.rejoined and "store" in words(cut.request), cut
+    assert not whole.interrupted and not whole.rejoined, whole
+    assert "sunday" in words(whole.transcript) and "store" not in words(whole.transcript), whole.transcript
+    assert whole.request == join_request(cut.request, whole.transcript), whole.request
+    assert pipe.dialogue.turns == [
+        {"role": "user", "content": whole.request},
+        {"role": "assistant", "content": whole.spoken_text},
+    ]
+    assert whole.answer is not None and whole.answer.text.strip()
+
+
 # ---------------------------------------------------------------------------- turn-taking (issue 17)
 
 PAUSED = "What is the capital city of, France?"  # spoken with a 600 ms pause after "of"

@@ -411,6 +411,30 @@ def test_dialogue_bounded_in_tokens_and_reset():
     assert d.messages() == [{"role": "system", "content": "sys"}]
 
 
+def test_a_request_the_person_went_on_with_is_one_user_message():
+    """A first half taken for a whole request, and the words that went on with it (VoiceOptions.rejoin_cut_off):
+    the model reads one request, the history keeps one exchange, and a reset forgets the half."""
+    from edge_client.voice.dialogue import join_request
+
+    d = Dialogue(DialogueOptions(system_prompt="sys"))
+    d.add_exchange("Hi.", "Hello!")
+    d.continue_request("What time does the store close?")
+    whole = "What time does the store close on Sunday."
+    assert d.messages("On Sunday.")[-1] == {"role": "user", "content": whole} and len(d.messages()) == 3
+    d.continue_request("On Sunday.")  # and on again
+    assert d.request("Near me?") == "What time does the store close on Sunday near me?"
+    d.add_exchange("Near me?", "At nine.")
+    assert d.turns[-2:] == [
+        {"role": "user", "content": "What time does the store close on Sunday near me?"},
+        {"role": "assistant", "content": "At nine."},
+    ]
+    assert d.continuing is None and d.request("Thanks.") == "Thanks."
+    assert join_request("Text my sister.", "I'm late.") == "Text my sister I'm late."  # "I" keeps its capital
+    d.continue_request("Play some")
+    d.reset()
+    assert d.continuing is None and d.messages("Jazz.")[-1]["content"] == "Jazz."
+
+
 def test_whisper_repetition_loop_is_cut():
     from edge_client.voice.asr import collapse_repeats
 

@@ -79,7 +79,11 @@ class ViewState:
             elif isinstance(ev, AnswerToken):
                 self.answer.append((ev.token.text, ev.token.route))
             elif isinstance(ev, Interruption):
-                self.notices.append(f"interrupted; kept in history: {ev.heard!r}")
+                self.notices.append(
+                    "you went on: the reply stops and your whole request is answered"
+                    if ev.rejoined
+                    else f"interrupted; kept in history: {ev.heard!r}"
+                )
             elif isinstance(ev, TurnDone):
                 self.last = ev
             elif isinstance(ev, Notice):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,23 +22,48 @@ class DialogueOptions:
     max_history_tokens: int = 768  # oldest exchanges are dropped beyond this
 
 
+def join_request(first: str, more: str) -> str:
+    """One request from a request cut off at a pause and the words that went on with it: "What time does the
+    store close?" + "On Sunday." -> "What time does the store close on Sunday." (Whisper closed the first half
+    as a sentence and opened the second as one)."""
+    first, more = first.strip().rstrip(".?!…").rstrip(), more.strip()
+    if not first or not more:
+        return first or more
+    if more[:1].isupper() and not re.match(r"I\b", more):
+        more = more[0].lower() + more[1:]
+    return f"{first} {more}"
+
+
 @dataclass
 class Dialogue:
     opts: DialogueOptions = field(default_factory=DialogueOptions)
     count_tokens: Callable[[list[dict]], int] | None = None
     turns: list[dict] = field(default_factory=list)
+    # A request the person went on with after its reply started (VoiceOptions.rejoin_cut_off): the next user
+    # message continues it, and its cut-off reply is not kept
+    continuing: str | None = None
+
+    def request(self, user_text: str) -> str:
+        """The user message that `user_text` makes: itself, or the rest of the request it goes on with."""
+        return join_request(self.continuing, user_text) if self.continuing else user_text
 
     def messages(self, user_text: str | None = None) -> list[dict]:
         """Full dialogue to send (the generator reuses its KV cache when it extends the last one)."""
         msgs = [{"role": "system", "content": self.opts.system_prompt}, *self.turns]
         if user_text is not None:
-            msgs.append({"role": "user", "content": user_text})
+            msgs.append({"role": "user", "content": self.request(user_text)})
         return msgs
 
     def add_exchange(self, user_text: str, assistant_text: str) -> None:
         """Record a finished (or interrupted) exchange; `assistant_text` is what was actually said."""
-        self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": assistant_text}]
+        request, self.continuing = self.request(user_text), None
+        self.turns += [{"role": "user", "content": request}, {"role": "assistant", "content": assistant_text}]
         self._trim()
+
+    def continue_request(self, user_text: str) -> None:
+        """The person went on speaking after `user_text` was taken as a whole request: no exchange is recorded,
+        and the next user message is the two joined."""
+        self.continuing = self.request(user_text)
 
     def _trim(self) -> None:
         if self.count_tokens is None:
@@ -47,6 +73,7 @@ class Dialogue:
 
     def reset(self) -> None:
         self.turns.clear()
+        self.continuing = None
 
     @staticmethod
     def is_reset_command(text: str) -> bool:

@@ -63,6 +63,7 @@ class Interruption:
     t_onset: float  # capture time of the interrupting speech onset
     t_stopped: float  # when playback was paused
     heard: str
+    rejoined: bool = False  # the person went on with the request: nothing of this reply is kept
 
 
 @dataclass(slots=True)
@@ -77,6 +78,8 @@ class TurnDone:
     draft: str = (
         "off"  # the reply drafted from a partial transcript: "hit" (released), "miss", "none" (no draft), "off"
     )
+    request: str = ""  # the user message answered: the transcript, or the request it went on with joined to it
+    rejoined: bool = False  # the person went on with this request: its reply stopped and the next turn answers it
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,12 @@ class VoiceOptions:
     max_tokens: int = 96
     full_duplex: bool = False  # listen while speaking (headphones); enables barge-in
     barge_in_min_ms: int = 300  # speech needed to interrupt; shorter sounds (cough, "mm") do not
+    # Barge-in within `turn.max_wait_ms` of the end of the person's own speech (the longest pause a request is
+    # waited out for) goes on with that request: a first half that is a whole request ("what time does the
+    # store close | on Sunday") is taken for an end by every signal here, and the reply then starts. With
+    # this, that reply stops, is not kept, and the whole request is answered (full duplex only: half
+    # duplex does not hear the person while the assistant speaks).
+    rejoin_cut_off: bool = True
     pause_on_onset: bool = True  # pause playback at the first voiced frame, resume if it was noise
     speculative: bool = True  # decode + generate at the first pause, release at the endpoint
     speculate_after_ms: int = 32  # one silent VAD frame

@@ -45,6 +45,12 @@ def _add_listening_options(g: argparse._ArgumentGroup) -> None:
         help="speech needed to interrupt the reply (default %(default)s)",
     )
     g.add_argument(
+        "--no-rejoin",
+        action="store_true",
+        help="a barge-in soon after your last word is a new request (default: within --max-wait-ms it goes on "
+        "with the request the reply answered: the reply stops and the whole is answered)",
+    )
+    g.add_argument(
         "--no-speculative", action="store_true", help="wait for the endpoint before recognising and answering"
     )
     g.add_argument(
@@ -176,6 +182,7 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
         max_tokens=args.voice_max_tokens,
         full_duplex=getattr(args, "full_duplex", False),
         barge_in_min_ms=args.barge_in_ms,
+        rejoin_cut_off=not args.no_rejoin,
         speculative=not args.no_speculative,
         prefill_partials=not args.no_prefill,
         turn=TurnOptions(

@@ -2,8 +2,10 @@
 
 It ends played out, cut at the benchmarks' limit, or interrupted. Barge-in (full duplex): speech
 onset during playback pauses the speaker at once (`hold`); `barge_in_min_ms` of speech confirms the
-interruption (`interrupt`: generation stops, history keeps only what was played); a shorter sound
-resumes playback (`resume`). Every method runs under `state.lock`.
+interruption (`interrupt`: generation stops, history keeps only what was played; or, when the
+person went on within the longest wait for a pause, the reply is dropped and their request goes on,
+`VoiceOptions.rejoin_cut_off`); a shorter sound resumes playback (`resume`). Every method runs under
+`state.lock`.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ class Speaking:
         turn.measure_gaps()
         self.state.playing = None
         text = turn.full_text.strip()
+        request = self.dialogue.request(turn.user_text)
         self.dialogue.add_exchange(turn.user_text, text)
-        done = self._record(turn, text, interrupted=False)
+        done = self._record(turn, request, text, interrupted=False)
         self.vad.reset()
         self.endpointer.reset()
         self.emit(done)
@@ -130,11 +133,23 @@ class Speaking:
         turn.join_generation(1.0)  # generation stops within a token
         turn.measure_gaps(until=t_stopped)
         self.state.playing = None
-        self.dialogue.add_exchange(turn.user_text, heard)
-        self.emit(Interruption(onset_t, t_stopped, heard))
-        self.emit(self._record(turn, heard, interrupted=True))
+        request = self.dialogue.request(turn.user_text)
+        rejoined = self._went_on(turn, onset_t)
+        if rejoined:
+            self.dialogue.continue_request(turn.user_text)
+        else:
+            self.dialogue.add_exchange(turn.user_text, heard)
+        self.emit(Interruption(onset_t, t_stopped, heard, rejoined))
+        self.emit(self._record(turn, request, heard, interrupted=True, rejoined=rejoined))
 
-    def _record(self, turn: Turn, text: str, interrupted: bool) -> TurnDone:
+    def _went_on(self, turn: Turn, onset_t: float) -> bool:
+        """The interrupting speech goes on with the turn's request: it began within the longest wait for a
+        pause (`turn.max_wait_ms`) after the person's last word, so a longer wait would have made it one turn."""
+        end = turn.timings.speech_end
+        window_s = self.opts.turn.max_wait_ms / 1000
+        return self.opts.rejoin_cut_off and end is not None and onset_t - end <= window_s
+
+    def _record(self, turn: Turn, request: str, text: str, interrupted: bool, rejoined: bool = False) -> TurnDone:
         """The turn's record, added to the turns done."""
         done = TurnDone(
             turn.user_text,
@@ -144,6 +159,8 @@ class Speaking:
             turn.timings,
             end_of_turn=turn.end_of_turn,
             draft=turn.draft_outcome,
+            request=request,
+            rejoined=rejoined,
         )
         self.state.turns.append(done)
         return done

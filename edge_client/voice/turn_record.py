@@ -49,8 +49,10 @@ def turn_json(done: TurnDone) -> dict[str, Any]:
     waterfall and the reply's playback, and how the end of the turn was decided."""
     return {
         "transcript": done.transcript,
+        "request": done.request or done.transcript,  # the user message answered (went on with: the whole)
         "spoken_text": done.spoken_text,  # what went into the history: all of the reply, or what was played
         "interrupted": done.interrupted,
+        "rejoined": done.rejoined,  # the person went on: this reply was dropped, the next turn answers it all
         "reset": done.reset,
         "answer": answer_json(done.answer) if done.answer is not None else None,
         **done.timings.to_json(),

@@ -106,7 +106,7 @@ class TurnLog:
         for k in range(len(pairs) - 1, -1, -1):
             for m in range(j, -1, -1):
                 r = self.records[m]
-                if (r["transcript"], r["spoken_text"]) == pairs[k]:
+                if (r["request"], r["spoken_text"]) == pairs[k]:
                     out[k], j = r, m - 1
                     break
         return out

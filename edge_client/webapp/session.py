@@ -64,7 +64,8 @@ def event_json(ev: Event) -> dict[str, Any] | None:
             "overruled": tk.overruled,
         }
     if isinstance(ev, Interruption):
-        return {"type": "interruption", "heard": ev.heard, "stop_ms": round((ev.t_stopped - ev.t_onset) * 1000, 1)}
+        stop_ms = round((ev.t_stopped - ev.t_onset) * 1000, 1)
+        return {"type": "interruption", "heard": ev.heard, "stop_ms": stop_ms, "rejoined": ev.rejoined}
     if isinstance(ev, Notice):
         return {"type": "notice", "level": ev.level, "message": ev.message}
     if dataclasses.is_dataclass(ev):  # events added later (e.g. the end-of-turn judgement): passed on as they are

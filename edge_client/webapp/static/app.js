@@ -373,7 +373,8 @@ function addToken(m) {
 function onInterruption(m) {
   if (!S.current) return;
   S.current.el.classList.add("interrupted");
-  notice("info", `Interrupted (reply paused ${Math.round(m.stop_ms)} ms after you started); kept: “${m.heard}”`);
+  const kept = m.rejoined ? "you went on, so none is kept: your whole request is answered next" : `kept: “${m.heard}”`;
+  notice("info", `Interrupted (reply paused ${Math.round(m.stop_ms)} ms after you started); ${kept}`);
 }
 
 function onTurnDone(m) {
@@ -417,11 +418,12 @@ function renderAnswer(t, m) {
     p.textContent = `Warning: ${w}.`;
     t.el.appendChild(p);
   }
-  if (m.interrupted) markUnplayed(t, m.spoken_text);
+  if (m.interrupted) markUnplayed(t, m.spoken_text, m.rejoined);
 }
 
-// After a barge-in only what was played stays in the history: dim the rest of the answer.
-function markUnplayed(t, kept) {
+// After a barge-in only what was played stays in the history: dim the rest of the answer. When the person
+// went on with the request (rejoined), none of it stays: the next turn answers the whole request.
+function markUnplayed(t, kept, rejoined) {
   const keptChars = kept.replace(/\s+/g, "").length;
   let n = 0;
   for (const span of t.tokens) {
@@ -432,7 +434,9 @@ function markUnplayed(t, kept) {
   t.el.classList.add("interrupted");
   const k = t.el.querySelector(".kept");
   k.hidden = false;
-  k.textContent = `interrupted · kept in history: “${kept}”`;
+  k.textContent = rejoined
+    ? "you went on: this reply was dropped, the next one answers your whole request"
+    : `interrupted · kept in history: “${kept}”`;
 }
 
 // A reloaded page (or one that took over) shows the conversation the assistant remembers: each turn from its
