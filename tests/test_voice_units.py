@@ -429,6 +429,9 @@ def test_a_request_the_person_went_on_with_is_one_user_message():
         {"role": "assistant", "content": "At nine."},
     ]
     assert d.continuing is None and d.request("Thanks.") == "Thanks."
+    d.continue_request("Turn off the lights.")
+    assert d.request("") == "Turn off the lights"  # went on with nothing Whisper heard: the request as it was
+    d.add_exchange("", "Done.")
     assert join_request("Text my sister.", "I'm late.") == "Text my sister I'm late."  # "I" keeps its capital
     d.continue_request("Play some")
     d.reset()

@@ -54,7 +54,9 @@ class Speaking:
             u.draft.cancel()
         text = text.strip()
         self.emit(FinalTranscript(text))
-        if not text:
+        if not text and self.dialogue.continuing:  # went on with words Whisper could not make out
+            self.emit(Notice("warning", "could not recognise what you added; answering your request as it was"))
+        elif not text:
             self.emit(Notice("warning", "heard speech but could not recognise words; please repeat"))
             self.emit(Listening())
             return
