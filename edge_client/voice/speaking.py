@@ -122,7 +122,8 @@ class Speaking:
         self.emit(ReplyHeld(t, held=False))
 
     def interrupt(self, turn: Turn, onset_t: float) -> None:
-        """Barge-in confirmed: stop generation and playback; keep only what was heard."""
+        """Barge-in confirmed: stop generation and playback; keep only what was heard, or nothing when the
+        person went on with the request (`_went_on`): then the next turn answers the whole of it."""
         t_stopped = self._pause_t or time.monotonic()
         self.sink.buffer.paused = True
         turn.cancel()
