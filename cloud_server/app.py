@@ -138,7 +138,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.worker = worker
     app.state.services = services
 
-    drain = app.state.drain = Drain()
+    drain = app.state.drain = Drain(on_drained=metrics.drained.inc)
     _add_http_routes(app, config, info, worker, metrics, drain)
     app.add_middleware(_TransportAccess)
     endpoint = _RouteEndpoint(config, keys, info, worker, services, drain)
@@ -330,7 +330,7 @@ class _RouteEndpoint:
                 if refused is not None:
                     return refused
             if self.drain.draining:  # the reply to this message is sent: the device fails over now
-                metrics.drained.inc()
+                self.drain.drained(state)
                 return (GOING_AWAY, DRAIN_REASON)
 
     async def _answer_error(

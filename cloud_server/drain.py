@@ -32,18 +32,28 @@ DRAIN_REASON = "going away: this replica is draining; reconnect (another replica
 class _Conn:
     close: Callable[[int, str], Awaitable[None]]  # sends a close frame (and aborts a socket that takes none)
     waiting: bool = False  # between requests: nothing is lost by closing it now
+    drained: bool = False  # closed by the drain (counted once)
 
 
 class Drain:
     """The replica's connections, and whether it is draining. The route handler registers each
     connection, sets its record's `waiting` around its receive, and closes it after a message once
-    `draining` is set."""
+    `draining` is set. `on_drained` is called once for each session the drain closes, however it is
+    closed: between requests, after its reply, or at the time limit (sessions_drained_total)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_drained: Callable[[], None] | None = None) -> None:
         self.draining = False
         self._conns: dict[int, _Conn] = {}
         self._empty = asyncio.Event()
         self._empty.set()
+        self._on_drained = on_drained
+
+    def drained(self, conn: _Conn) -> None:
+        """`conn` is being closed by the drain: counted once, whoever closes it."""
+        if not conn.drained:
+            conn.drained = True
+            if self._on_drained is not None:
+                self._on_drained()
 
     def register(self, key: int, close: Callable[[int, str], Awaitable[None]]) -> _Conn:
         conn = self._conns[key] = _Conn(close)
@@ -63,15 +73,20 @@ class Drain:
         """Drain: close the connections between requests now, the others as their request ends
         (the handler sees `draining`); returns how many were still open after `timeout_s`."""
         self.draining = True
-        closing = [asyncio.ensure_future(c.close(GOING_AWAY, DRAIN_REASON)) for c in self._conns.values() if c.waiting]
+        idle = [c for c in self._conns.values() if c.waiting]
+        closing = [asyncio.ensure_future(self._close(c)) for c in idle]
         try:
             await asyncio.wait_for(self._empty.wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
         left = list(self._conns.values())  # past the deadline: closed whatever they are doing
-        closing += [asyncio.ensure_future(c.close(GOING_AWAY, DRAIN_REASON)) for c in left]
+        closing += [asyncio.ensure_future(self._close(c)) for c in left]
         await asyncio.gather(*closing, return_exceptions=True)
         return len(left)
+
+    async def _close(self, conn: _Conn) -> None:
+        self.drained(conn)
+        await conn.close(GOING_AWAY, DRAIN_REASON)
 
 
 class DrainingServer(uvicorn.Server):

@@ -56,7 +56,11 @@ class ServerMetrics:
         self.resumed = Counter(
             P + "sessions_resumed", "Sessions a device rebuilt here after losing its replica mid-answer", registry=r
         )
-        self.drained = Counter(P + "sessions_drained", "Sessions closed 1001 by a drain, after their reply", registry=r)
+        self.drained = Counter(
+            P + "sessions_drained",
+            "Sessions closed 1001 by a drain: between requests at once, after their reply, or at the time limit",
+            registry=r,
+        )
         self.routing_alarms = Counter(
             P + "routing_alarms",
             "Sessions whose routing left the fleet's band (cloud_server/routing_watch.py), by rate and side",

@@ -49,6 +49,44 @@ def test_backoff_waits_are_jittered_doubling_and_capped():
     assert len(set(many)) == 200 and 0.015 < sum(many) / 200 < 0.035  # uniform in [0, 50 ms]: mean ~25 ms
 
 
+def test_a_drain_counts_each_session_it_closes_once_however_it_closes():
+    """sessions_drained_total counts every session a drain moves: one idle between requests (closed at
+    once; most sessions of a fleet are), one that finishes its reply and is closed by its handler, and
+    one still busy at the time limit. Before, only the second kind was counted. The Drain itself, on a
+    real event loop; the server wires `on_drained` to the counter (cloud_server/app.py), whose process
+    exits once drained, so its /metrics cannot be read after."""
+    import asyncio
+
+    from cloud_server.drain import GOING_AWAY, Drain
+
+    async def scenario() -> tuple[int, list[tuple[str, int]], int]:
+        counted: list[int] = []
+        drain = Drain(on_drained=lambda: counted.append(1))
+        closed: list[tuple[str, int]] = []
+
+        def closer(name: str):
+            async def close(code: int, reason: str) -> None:
+                closed.append((name, code))
+                drain.unregister(name)
+
+            return close
+
+        drain.register("idle", closer("idle")).waiting = True
+        busy = drain.register("busy", closer("busy"))
+        drain.register("stuck", closer("stuck"))
+        task = asyncio.ensure_future(drain.run(timeout_s=0.3))
+        await asyncio.sleep(0.05)
+        drain.drained(busy)  # its reply is sent: the handler closes it (cloud_server/app.py)
+        drain.drained(busy)  # and the count does not move again
+        drain.unregister("busy")
+        left = await task
+        return left, closed, len(counted)
+
+    left, closed, counted = asyncio.run(scenario())
+    assert left == 1 and closed == [("idle", GOING_AWAY), ("stuck", GOING_AWAY)], (left, closed)
+    assert counted == 3
+
+
 def test_drain_finishes_the_reply_then_closes_going_away(cloud_info):
     """SIGTERM while a session streams a reply: /readyz says 503 at once (on a connection already
     open; /healthz, the liveness, stays 200), no new connection is taken, the reply in flight arrives whole, then the connection is
