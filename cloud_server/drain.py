@@ -73,8 +73,7 @@ class Drain:
         """Drain: close the connections between requests now, the others as their request ends
         (the handler sees `draining`); returns how many were still open after `timeout_s`."""
         self.draining = True
-        idle = [c for c in self._conns.values() if c.waiting]
-        closing = [asyncio.ensure_future(self._close(c)) for c in idle]
+        closing = [asyncio.ensure_future(self._close(c)) for c in self._conns.values() if c.waiting]
         try:
             await asyncio.wait_for(self._empty.wait(), timeout_s)
         except asyncio.TimeoutError:

@@ -54,16 +54,19 @@ class Dialogue:
             msgs.append({"role": "user", "content": self.request(user_text)})
         return msgs
 
-    def add_exchange(self, user_text: str, assistant_text: str) -> None:
-        """Record a finished (or interrupted) exchange; `assistant_text` is what was actually said."""
+    def add_exchange(self, user_text: str, assistant_text: str) -> str:
+        """Record a finished (or interrupted) exchange; `assistant_text` is what was actually said. Returns
+        the user message recorded (`request`)."""
         request, self.continuing = self.request(user_text), None
         self.turns += [{"role": "user", "content": request}, {"role": "assistant", "content": assistant_text}]
         self._trim()
+        return request
 
-    def continue_request(self, user_text: str) -> None:
+    def continue_request(self, user_text: str) -> str:
         """The person went on speaking after `user_text` was taken as a whole request: no exchange is recorded,
-        and the next user message is the two joined."""
+        and the next user message is the two joined. Returns the request so far."""
         self.continuing = self.request(user_text)
+        return self.continuing
 
     def _trim(self) -> None:
         if self.count_tokens is None:

@@ -96,8 +96,7 @@ class Speaking:
         turn.measure_gaps()
         self.state.playing = None
         text = turn.full_text.strip()
-        request = self.dialogue.request(turn.user_text)
-        self.dialogue.add_exchange(turn.user_text, text)
+        request = self.dialogue.add_exchange(turn.user_text, text)
         done = self._record(turn, request, text, interrupted=False)
         self.vad.reset()
         self.endpointer.reset()
@@ -136,12 +135,11 @@ class Speaking:
         turn.join_generation(1.0)  # generation stops within a token
         turn.measure_gaps(until=t_stopped)
         self.state.playing = None
-        request = self.dialogue.request(turn.user_text)
         rejoined = self._went_on(turn, onset_t)
         if rejoined:
-            self.dialogue.continue_request(turn.user_text)
+            request = self.dialogue.continue_request(turn.user_text)
         else:
-            self.dialogue.add_exchange(turn.user_text, heard)
+            request = self.dialogue.add_exchange(turn.user_text, heard)
         self.emit(Interruption(onset_t, t_stopped, heard, rejoined))
         self.emit(self._record(turn, request, heard, interrupted=True, rejoined=rejoined))
 
