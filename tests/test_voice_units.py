@@ -759,6 +759,21 @@ def test_whisper_is_unsure_of_a_function_word_misheard_at_a_hesitation():
         assert not unfinished_text(r.text, r.last_word_prob, below), (text, r)
 
 
+def test_a_beam_search_final_decode_says_its_last_word_probability_is_unknown():
+    """CTranslate2 gives each step's distribution only for a greedy decode: with a beam, the final transcript is
+    kept and its last word's probability is None (unknown to the end-of-turn judge), not an IndexError."""
+    from edge_client.voice.asr import AsrOptions, Transcriber
+
+    s = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+    a = np.concatenate(
+        [np.zeros(6400, np.float32), 0.8 * resample(s.synthesize("Set a timer for ten minutes."), s.rate, 16000)]
+    )
+    greedy = Transcriber().recognize(a, final=True)
+    beam = Transcriber(AsrOptions(beam_size=3)).recognize(a, final=True)
+    assert "timer" in greedy.text.lower() and greedy.last_word_prob is not None
+    assert "timer" in beam.text.lower() and beam.last_word_prob is None
+
+
 def test_end_of_turn_waits_long_unless_both_cues_say_finished():
     from edge_client.voice.endofturn import EndOfTurn, TurnOptions
 

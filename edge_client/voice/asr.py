@@ -28,6 +28,8 @@ RATE = 16000
 @dataclass
 class AsrOptions:
     language: str = "en"  # forced: tiny.en is English-only; no language detection pass
+    # Greedy: CTranslate2 returns each step's distribution (the last word's probability, which the end-of-turn
+    # judge reads) only for a greedy decode; with a beam, a final transcript's last-word probability is unknown.
     beam_size: int = 1
     compute_type: str = "int8"
     # One CTranslate2 thread: a final decode took ~105 ms on one thread against ~135 ms on two (the decoder's
@@ -102,7 +104,7 @@ class Transcriber:
                 suppress_blank=True,
                 suppress_tokens=[-1],
                 return_scores=False,
-                return_logits_vocab=final,
+                return_logits_vocab=final and self.opts.beam_size == 1,
             )
         ids = [t for t in res[0].sequences_ids[0] if t < self.tokenizer.eot]
         text = collapse_repeats(self.tokenizer.decode(ids).strip())
@@ -110,6 +112,8 @@ class Transcriber:
             return Recognition(text)
         if still_loops(text):
             return Recognition(self._whole(audio))
+        if self.opts.beam_size != 1:
+            return Recognition(text)
         word, prob = self._last_word(self._kept(ids, text), res[0].logits[0])
         # the probability belongs to the transcript's last word only (a check: _kept found where it ends)
         tail = re.findall(r"[\w']+", text.lower())
