@@ -20,6 +20,12 @@ Smart Turn. Then every judge is replayed on the same inputs, side by side: a pau
 resumed from is a false cut-off when it lasts at least the wait the judge sets; at the true end,
 the wait is the dead air the judge adds (plus the decodes, reported apart).
 
+Cut-offs are also reported by kind of item: fragments ("convert fifty | miles to kilometers") and
+first halves that are a request on their own ("what time does the store close | on sunday"), which
+no signal here can tell from an end (scripts/whole_first_halves.txt, read as a person would); and
+with the words heard right: the judge replayed with the device model's P(end) of the true words at
+the pause, which shows what Whisper's mishearings cost.
+
 Tune on `--split tune` (CLINC150 train + val); report on `--split test`, never tuned on.
 
     python scripts/bench_turns.py --split tune --n 40
@@ -61,6 +67,7 @@ from shared.llama_backend import LlamaModel  # noqa: E402
 from shared.prompting import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
+WHOLE_HALVES = ROOT / "scripts" / "whole_first_halves.txt"
 SPLITS = {"tune": ("train", "val"), "test": ("test",)}
 RATE = 16000
 # The judges compared in one run: the rule before the device model's signal, and today's default.
@@ -87,13 +94,17 @@ class Signals:
         self.model = LlamaModel(model_info(opts.edge_model))
         self.gen = RoutedGenerator(self.model, opts, None)
 
+    def text_end(self, text: str) -> float:
+        """The device model's P(end of the message) after `text` as the user's message."""
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": text}]
+        return self.gen.end_of_message(messages)
+
     def at(self, frames: list[np.ndarray], voiced: list[bool], k: int) -> dict:
         gap = max(1, int(AsrOptions().max_gap_ms / 1000 / FRAME_S))  # as the pipeline's DecodeScheduler.audio
         t0 = time.perf_counter()
         rec = self.tx.recognize(close_gaps(frames[:k], voiced[:k], gap), final=True)
         t1 = time.perf_counter()
-        messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": rec.text}]
-        p_end = self.gen.end_of_message(messages) if rec.text.strip() else None
+        p_end = self.text_end(rec.text) if rec.text.strip() else None
         t2 = time.perf_counter()
         p_turn = self.smart(np.concatenate(frames[: k + 2]))  # judge_after_ms (64 ms) into the pause
         t3 = time.perf_counter()
@@ -106,23 +117,27 @@ class Signals:
         }
 
 
-def judge(opts: TurnOptions, pause: dict) -> int:
-    """The wait (ms) a judge with `opts` sets at a pause with these inputs."""
+def judge(opts: TurnOptions, pause: dict, words_right: bool = False) -> int:
+    """The wait (ms) a judge with `opts` sets at a pause with these inputs; `words_right`: with the true words
+    at the pause (no punctuation, so no sure "?"), where they are known, instead of Whisper's."""
     eot = EndOfTurn(opts, model=object())
     d = eot.new_decision()
     d.probability = pause["p_turn"]
-    eot.judge_text(d, pause["text"], pause["p_word"], pause["p_end"])
+    if words_right and "true_text" in pause:
+        eot.judge_text(d, pause["true_text"], None, pause["true_p_end"])
+    else:
+        eot.judge_text(d, pause["text"], pause["p_word"], pause["p_end"])
     wait = eot.wait_ms(d, 250, text_known=True)
     assert wait is not None
     return wait
 
 
-def replay(opts: TurnOptions, rows: list[dict]) -> dict:
+def replay(opts: TurnOptions, rows: list[dict], words_right: bool = False) -> dict:
     """Cut-offs and the wait at the real end for one judge over recorded rows."""
     cut, ends = 0, []
     for r in rows:
         for pz in r["pauses"]:
-            wait = judge(opts, pz)
+            wait = judge(opts, pz, words_right)
             if not pz["resumed"]:
                 ends.append(wait)
                 break
@@ -150,6 +165,43 @@ def table(rows: list[dict], judges: dict[str, TurnOptions]) -> dict:
         out[name]["all paused"] = replay(opts, [r for r in rows if r["pause_ms"]])
         out[name]["all fluent"] = replay(opts, [r for r in rows if not r["pause_ms"]])
     return out
+
+
+def by_kind(rows: list[dict]) -> dict:
+    """Cut-offs of fragments and of whole first halves apart, for today's rule and the one before, and
+    for today's with the words heard right: per voice and construction; and the wait at fluent ends."""
+    judges = {
+        "before": (JUDGES["before: words + Smart Turn"], False),
+        "now": (JUDGES["now: + device model P(end)"], False),
+        "now, words heard right": (JUDGES["now: + device model P(end)"], True),
+    }
+    out: dict = {}
+    groups = sorted({(r["voice"], r["construction"]) for r in rows if r["pause_ms"]}) + [("all", "paused")]
+    for v, c in groups:
+        mine = [r for r in rows if r["pause_ms"] and (v == "all" or (r["voice"], r["construction"]) == (v, c))]
+        for kind in ("fragment", "whole"):
+            these = [r for r in mine if r["kind"] == kind]
+            out[f"{v} / {c} / {kind} ({len(these)})"] = {
+                name: replay(opts, these, right)["cut_off_pct"] for name, (opts, right) in judges.items()
+            }
+    for v in sorted({r["voice"] for r in rows}):
+        fluent = [r for r in rows if not r["pause_ms"] and r["voice"] == v]
+        out[f"{v} / fluent: wait at the end, ms"] = {
+            name: replay(opts, fluent, right)["end_wait_ms"] for name, (opts, right) in judges.items()
+        }
+    return out
+
+
+def whole_halves() -> set[str]:
+    """The items whose first half is a request on its own, as "first half | rest" (WHOLE_HALVES)."""
+    lines = WHOLE_HALVES.read_text().splitlines()
+    return {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+
+
+def spoken(words: list[str]) -> str:
+    """Words as Whisper writes a transcript's start: capitalised, no final punctuation (a pause, not an end)."""
+    text = " ".join(words)
+    return text[:1].upper() + text[1:]
 
 
 def grid(rows: list[dict]) -> list[dict]:
@@ -190,6 +242,7 @@ def main() -> None:
     synths = voices(args.voices.split(","))
     constructions = args.constructions.split(",")
     rows: list[dict] = []
+    whole = whole_halves()
     vad = VadOptions()
     t_start = time.perf_counter()
     for vi, (vname, synth) in enumerate(synths.items()):
@@ -215,7 +268,19 @@ def main() -> None:
                 pauses.append(pz | signals.at(frames, voiced, pz["frames"]))
                 if not pz["resumed"]:
                     break
+            # the true words at the made pause (the longest the person resumed from) and at the end
+            made = max((p for p in pauses if p["resumed"]), key=lambda p: p["ms"], default=None)
+            known = [] if construction == "fluent" or made is None else [(made, words[:cut])]
+            if pauses and not pauses[-1]["resumed"]:
+                known.append((pauses[-1], words))
+            for p, truth in known:
+                p["true_text"] = spoken(truth)
+                p["true_p_end"] = signals.text_end(p["true_text"])
+            kind = None if construction == "fluent" else "fragment"
+            if kind and f"{' '.join(words[:cut])} | {' '.join(words[cut:])}" in whole:
+                kind = "whole"
             row = {"voice": vname, "construction": construction, "query": query, "cut": cut, "pause_ms": pause_ms}
+            row["kind"] = kind
             rows.append(row | {"pauses": pauses})
             shown = " | ".join(
                 f"{p['ms']:.0f}ms {p['text']!r} end={p['p_end'] or 0:.3f} turn={p['p_turn']:.2f}" for p in pauses
@@ -232,6 +297,7 @@ def main() -> None:
             for k in ("asr", "text_end", "smart_turn")
         },
         "judges": table(rows, JUDGES),
+        "cut_off_pct_by_kind": by_kind(rows),
     }
     if args.grid:
         report["grid"] = grid(rows)
