@@ -13,6 +13,13 @@ of them (not only after "for" or "in"), spoken two ways:
 in several voices: Piper (joe, the voice the project's other benchmarks use) and espeak-ng voices.
 Fluent items (no pause) measure the wait at a real end.
 
+Synthetic speech has none of the prosody of a person stopping to think, which Smart Turn reads (here it
+tells an end from a pause no better than chance: `signal_auc` in the report). `--voices recorded:DIR`
+runs people's recordings instead: `NAME.wav` with its words in `NAME.txt`, a "|" where the speaker
+paused mid-request (a real hesitation; "recorded pause"); a fluent recording is a fluent item and, with
+silence spliced in at a seeded word boundary, a "spliced" one. DIR/whole_first_halves.txt may list its
+own whole first halves. Recordings are split into tune and test by their words, as the queries are.
+
 The judges' inputs are computed as the pipeline computes them, once per pause: the VAD replayed
 frame by frame (tests/voice_audio.replay_vad), the speculative final Whisper decode with its
 last-word probability, the device model's P(end of request) (RoutedGenerator.end_of_message) and
@@ -31,6 +38,7 @@ Tune on `--split tune` (CLINC150 train + val); report on `--split test`, never t
     python scripts/bench_turns.py --split tune --n 40
     python scripts/bench_turns.py --split test --n 40 --grid   # + a grid of thresholds, read only
     python scripts/bench_turns.py --split tune --asr-model-dir DIR   # another CTranslate2 Whisper
+    python scripts/bench_turns.py --split test --voices recorded:DIR  # people's own recordings
 
 Writes build/turns_<split>.json (every pause's inputs, so judges can be replayed without audio).
 CLINC150: Larson et al., EMNLP-IJCNLP 2019, CC BY 3.0.
@@ -42,10 +50,12 @@ import argparse
 import itertools
 import json
 import platform
+import random
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -53,7 +63,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from turn_audio import boundary_items, halves_speech, spliced_speech, voices, with_silence  # noqa: E402
+from turn_audio import (  # noqa: E402
+    PAUSE_MS,
+    Recording,
+    WordAligner,
+    boundary_items,
+    halves_speech,
+    read_recordings,
+    spliced_recording,
+    spliced_speech,
+    split_tune_test,
+    voices,
+    with_silence,
+)
 from voice_audio import replay_vad  # noqa: E402
 
 from edge_client.generator import RoutedGenerator  # noqa: E402
@@ -192,10 +214,86 @@ def by_kind(rows: list[dict]) -> dict:
     return out
 
 
-def whole_halves() -> set[str]:
-    """The items whose first half is a request on its own, as "first half | rest" (WHOLE_HALVES)."""
-    lines = WHOLE_HALVES.read_text().splitlines()
+def auc(higher: list[float], lower: list[float]) -> float | None:
+    """ROC AUC: the chance that a draw from `higher` exceeds one from `lower` (ties count half)."""
+    if not higher or not lower:
+        return None
+    a, b = np.array(higher)[:, None], np.array(lower)[None, :]
+    return round(float((a > b).mean() + 0.5 * (a == b).mean()), 2)
+
+
+def signal_auc(rows: list[dict]) -> dict:
+    """How well each input alone tells a real end from the made pause (AUC; 0.5 is chance), per voice and
+    kind of pause: P(end) and Smart Turn should be higher at an end, Whisper's last-word probability too."""
+    out: dict = {}
+    for v in sorted({r["voice"] for r in rows}) + ["all"]:
+        mine = [r for r in rows if v == "all" or r["voice"] == v]
+        ends = [r["pauses"][-1] for r in mine if not r["pause_ms"] and r["pauses"] and not r["pauses"][-1]["resumed"]]
+        for kind in ("fragment", "whole"):
+            made = [made_pause(r) for r in mine if r["kind"] == kind]
+            made = [p for p in made if p is not None]
+            out[f"{v} / end vs {kind} pause ({len(ends)}, {len(made)})"] = {
+                name: auc([p[key] or 0.0 for p in ends], [p[key] or 0.0 for p in made])
+                for name, key in (("P(end)", "p_end"), ("Smart Turn", "p_turn"), ("last word p", "p_word"))
+            }
+    return out
+
+
+def made_pause(row: dict) -> dict | None:
+    """The pause the item was made with: the longest the person resumed from."""
+    return max((p for p in row["pauses"] if p["resumed"]), key=lambda p: p["ms"], default=None)
+
+
+def whole_halves(path: Path) -> set[str]:
+    """The items whose first half is a request on its own, as "first half | rest" (WHOLE_HALVES's form;
+    a recordings folder may have its own)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
     return {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+
+
+Job = tuple[str, tuple[str, list[str], int, int], Callable[[], "np.ndarray | None"]]
+
+
+def synthesized_jobs(synth, pool: list[str], constructions: list[str], n: int, seed: int) -> list[Job]:
+    """A synthetic voice's items: `n` queries with a pause in each construction, and `n` fluent ones. Each
+    voice gets its own queries and cuts (seeded), so no query's cut is learned for all voices."""
+    items = boundary_items(pool, n, seed=seed)
+    fluent = boundary_items(pool, n, seed=seed + 50)
+
+    def make(construction: str, words: list[str], cut: int, pause_ms: int) -> Callable[[], np.ndarray | None]:
+        if construction == "fluent":
+            return lambda: resample(synth.synthesize(" ".join(words)), synth.rate, RATE)
+        if construction == "halves":
+            return lambda: halves_speech(synth, words, cut, pause_ms, RATE)
+        # no Whisper check of the splice: it would keep only the items Whisper hears well
+        return lambda: spliced_speech(synth, None, words, cut, pause_ms, RATE)
+
+    jobs = [(c, it, make(c, it[1], it[2], it[3])) for c in constructions for it in items]
+    return jobs + [("fluent", (q, w, cut, 0), make("fluent", w, cut, 0)) for q, w, cut, _ in fluent]
+
+
+def recorded_jobs(recs: list[Recording], split: str, n: int, seed: int, tx: Transcriber) -> list[Job]:
+    """A folder of recordings' items, those of `split` (by a hash of the words, as the queries are split):
+    a recording with a "|" is a real pause ("recorded pause"); one without is a fluent item and, with silence
+    spliced in at a seeded word boundary (Whisper's word timestamps), a "spliced" one. At most `n` of each."""
+    tune, test = split_tune_test([r.text for r in recs])
+    mine = set(tune if split == "tune" else test)
+    recs = [r for r in recs if r.text in mine]
+    rng, aligner = random.Random(seed), WordAligner(tx.model)
+    paused = [r for r in recs if r.pause_after is not None][:n]
+    fluent = [r for r in recs if r.pause_after is None and len(r.words) >= 3][:n]
+    jobs: list[Job] = [("recorded pause", (r.text, r.words, r.pause_after, 1), lambda r=r: r.audio) for r in paused]
+    for r in fluent:
+        cut, pause_ms = rng.randint(2, len(r.words) - 1), rng.randint(*PAUSE_MS)
+        jobs.append(
+            (
+                "spliced",
+                (r.text, r.words, cut, pause_ms),
+                lambda r=r, c=cut, p=pause_ms: spliced_recording(r, aligner, c, p),
+            )
+        )
+        jobs.append(("fluent", (r.text, r.words, cut, 0), lambda r=r: r.audio))
+    return jobs
 
 
 def spoken(words: list[str]) -> str:
@@ -229,7 +327,11 @@ def main() -> None:
     ap.add_argument("--split", choices=tuple(SPLITS), default="tune")
     ap.add_argument("--n", type=int, default=40, help="paused items per voice and construction (and fluent ones)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--voices", default="piper,espeak:en-us,espeak:en-gb-x-rp")
+    ap.add_argument(
+        "--voices",
+        default="piper,espeak:en-us,espeak:en-gb-x-rp",
+        help="piper, piper:fixed, espeak:<voice>, or recorded:DIR (people's recordings: NAME.wav + NAME.txt)",
+    )
     ap.add_argument("--constructions", default="halves,spliced")
     ap.add_argument("--asr-model-dir", default=None, help="a CTranslate2 Whisper directory (default: bundled tiny.en)")
     ap.add_argument("--grid", action="store_true", help="also replay a grid of text thresholds")
@@ -239,25 +341,20 @@ def main() -> None:
     data = json.loads(DATA.read_text())
     pool = [q for s in SPLITS[args.split] for q, _ in data[s]]
     signals = Signals(AsrOptions(model_dir=args.asr_model_dir))
-    synths = voices(args.voices.split(","))
     constructions = args.constructions.split(",")
     rows: list[dict] = []
-    whole = whole_halves()
+    whole = whole_halves(WHOLE_HALVES)
     vad = VadOptions()
     t_start = time.perf_counter()
-    for vi, (vname, synth) in enumerate(synths.items()):
-        # each voice gets its own queries and cuts (seeded), so no query's cut is learned for all voices
-        items = boundary_items(pool, args.n, seed=args.seed * 100 + vi)
-        fluent = boundary_items(pool, args.n, seed=args.seed * 100 + vi + 50)
-        jobs = [(c, it) for c in constructions for it in items] + [("fluent", it) for it in fluent]
-        for construction, (query, words, cut, pause_ms) in jobs:
-            if construction == "fluent":
-                audio, pause_ms = resample(synth.synthesize(" ".join(words)), synth.rate, RATE), 0
-            elif construction == "halves":
-                audio = halves_speech(synth, words, cut, pause_ms, RATE)
-            else:
-                # no Whisper check of the splice: it would keep only the items Whisper hears well
-                audio = spliced_speech(synth, None, words, cut, pause_ms, RATE)
+    for vi, vname in enumerate(args.voices.split(",")):
+        if vname.startswith("recorded:"):
+            folder = Path(vname.split(":", 1)[1])
+            whole |= whole_halves(folder / WHOLE_HALVES.name)
+            jobs = recorded_jobs(read_recordings(folder), args.split, args.n, args.seed * 100 + vi, signals.tx)
+        else:
+            jobs = synthesized_jobs(voices([vname])[vname], pool, constructions, args.n, args.seed * 100 + vi)
+        for construction, (query, words, cut, pause_ms), make_audio in jobs:
+            audio = make_audio()
             if audio is None:
                 continue
             frames, voiced, found = replay_vad(with_silence(audio, tail_s=1.6), vad)
@@ -268,8 +365,10 @@ def main() -> None:
                 pauses.append(pz | signals.at(frames, voiced, pz["frames"]))
                 if not pz["resumed"]:
                     break
-            # the true words at the made pause (the longest the person resumed from) and at the end
-            made = max((p for p in pauses if p["resumed"]), key=lambda p: p["ms"], default=None)
+            # the true words at the made pause and at the end
+            made = made_pause({"pauses": pauses})
+            if construction == "recorded pause":  # the speaker's own pause; one too short to hear cannot cut
+                pause_ms = round(made["ms"]) if made else 1
             known = [] if construction == "fluent" or made is None else [(made, words[:cut])]
             if pauses and not pauses[-1]["resumed"]:
                 known.append((pauses[-1], words))
@@ -298,6 +397,7 @@ def main() -> None:
         },
         "judges": table(rows, JUDGES),
         "cut_off_pct_by_kind": by_kind(rows),
+        "signal_auc": signal_auc(rows),
     }
     if args.grid:
         report["grid"] = grid(rows)

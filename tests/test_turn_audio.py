@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 from turn_audio import (
     EspeakVoice,
+    Recording,
     WordAligner,
     boundary_items,
     halves_speech,
     parse_wav_bytes,
+    read_recordings,
+    spliced_recording,
     spliced_speech,
     split_tune_test,
     trim_silence,
@@ -208,3 +211,50 @@ def test_wav_with_silence_reports_the_end_of_speech(synths, tmp_path):
     assert rate == RATE and abs(len(audio) / RATE - (0.4 + len(a) / RATE + 0.6)) < 0.002
     assert 0.4 + len(a) / RATE - 0.1 < end < 0.4 + len(a) / RATE
     assert np.abs(audio[int((end + 0.01) * RATE) :]).max() < 0.02
+
+
+def _record(folder, name: str, audio: np.ndarray, text: str, rate: int = 22050) -> None:
+    from edge_client.voice.wavfile import write_wav
+
+    write_wav(folder / f"{name}.wav", resample(audio, RATE, rate), rate)
+    (folder / f"{name}.txt").write_text(text + "\n")
+
+
+def test_recordings_are_read_with_their_words_and_the_pause_marked(synths, tmp_path):
+    """People's recordings for the pause benchmark (`--voices recorded:DIR`). No recording of a person is
+    on this machine, so Piper's fixed voice stands in for one; what is checked is the reading: any rate
+    to 16 kHz, the words, the "|" as the word the speaker paused after, and errors that say what to do."""
+    s = synths["piper:fixed"]
+    a = resample(s.synthesize("set a timer for ten minutes"), s.rate, RATE)
+    _record(tmp_path, "b", a, "Set a timer for | ten minutes.")
+    _record(tmp_path, "a", a, "set a timer for ten minutes")
+    recs = read_recordings(tmp_path)
+    assert [r.name for r in recs] == ["a", "b"]
+    assert recs[0].pause_after is None and recs[1].pause_after == 4
+    assert recs[0].words == recs[1].words == "set a timer for ten minutes".split()
+    assert abs(len(recs[1].audio) - len(a)) <= RATE // 100  # resampled from 22.05 kHz back to 16 kHz
+    (tmp_path / "a.txt").write_text("set a | timer for | ten minutes")
+    with pytest.raises(ValueError, match="more than one '|'"):
+        read_recordings(tmp_path)
+    (tmp_path / "a.txt").unlink()
+    with pytest.raises(ValueError, match=r"a\.wav: no transcript; write its words to a\.txt"):
+        read_recordings(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no recordings"):
+        read_recordings(tmp_path / "empty")
+
+
+def test_a_recorded_request_is_spliced_between_the_right_words(synths, tx, aligner):
+    """Silence put into a fluent recording at Whisper's word boundary (its word times run late; the quiet
+    before the next word is found). Piper's fixed voice stands in for a person, as above."""
+    s = synths["piper:fixed"]
+    rec = Recording("q", resample(s.synthesize(" ".join(SENTENCE)), s.rate, RATE), SENTENCE)
+    a = spliced_recording(rec, aligner, CUT, 700)
+    assert a is not None
+    start, end = inner_pause(a, 640)
+    assert (end - start) / RATE * 1000 <= 760
+    before, after = norm_words(tx.transcribe(a[:start])), norm_words(tx.transcribe(a[end:]))
+    assert before[-1:] == [SENTENCE[CUT - 1]], before
+    assert after[:1] == [SENTENCE[CUT]], after
+    other = Recording("q", rec.audio, "the quick brown fox jumps over the lazy dog".split())
+    assert spliced_recording(other, aligner, CUT, 700) is None  # Whisper does not hear these words

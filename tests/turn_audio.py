@@ -23,6 +23,7 @@ import re
 import shutil
 import struct
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -282,7 +283,11 @@ def spliced_speech(
             return None
     release = _ends_in_stop(words[cut - 1]) and not _starts_with_stop(words[cut])
     x = resample(a, sr, rate)  # spliced at the rate it is heard at: a fricative loses its top at 16 kHz
-    at = _splice_point(x, rate, t1, t2, release)
+    return _pause_in(x, rate, _splice_point(x, rate, t1, t2, release), pause_ms)
+
+
+def _pause_in(x: np.ndarray, rate: int, at: int, pause_ms: int) -> np.ndarray:
+    """`x` with silence put in at sample `at` until the quiet there is `pause_ms` long (5 ms fades)."""
     fade = int(0.005 * rate)
     head, tail = x[:at].copy(), x[at:].copy()
     if len(head) >= fade and len(tail) >= fade:
@@ -294,6 +299,68 @@ def spliced_speech(
     runs = _quiet_runs(np.concatenate([head, np.zeros(want, np.float32), tail]), rate, min_ms=0)
     have = next((e - s for s, e in runs if s <= at + want // 2 < e), want)
     return np.concatenate([head, np.zeros(max(0, 2 * want - have), np.float32), tail])
+
+
+@dataclass
+class Recording:
+    """A request a person recorded: its 16 kHz audio, its words, and where they paused mid-request, if they
+    did (the word index after which; a "|" in the transcript)."""
+
+    name: str
+    audio: np.ndarray
+    words: list[str]
+    pause_after: int | None = None
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+def read_recordings(folder: str | Path) -> list[Recording]:
+    """Every `NAME.wav` (or .flac, .ogg) in `folder` with its transcript `NAME.txt`, sorted by name.
+
+    Real speech is what synthetic voices cannot stand in for: the prosody of a person stopping to think,
+    which Smart Turn was trained on. A transcript may hold one "|" where the speaker paused mid-request
+    ("set a timer for | ten minutes"); without one the recording is a fluent request. Words are kept lower case.
+    """
+    from edge_client.voice.wavfile import read_audio
+
+    folder = Path(folder)
+    files = sorted(f for f in folder.glob("*") if f.suffix.lower() in (".wav", ".flac", ".ogg"))
+    if not files:
+        raise ValueError(f"{folder}: no recordings (NAME.wav with NAME.txt, its words)")
+    out = []
+    for f in files:
+        txt = f.with_suffix(".txt")
+        if not txt.is_file():
+            raise ValueError(f"{f}: no transcript; write its words to {txt.name} ('|' where the speaker paused)")
+        text = txt.read_text().strip()
+        if text.count("|") > 1:
+            raise ValueError(f"{txt}: more than one '|'; mark the one pause the speaker made")
+        first, bar, rest = text.lower().partition("|")
+        before, after = query_words(first), query_words(rest)
+        if bar and not (before and after):
+            raise ValueError(f"{txt}: the '|' must have words on both sides")
+        audio, rate = read_audio(f)
+        out.append(Recording(f.stem, resample(audio, rate, 16000), before + after, len(before) if bar else None))
+    return out
+
+
+def spliced_recording(rec: Recording, aligner: WordAligner, cut: int, pause_ms: int) -> np.ndarray | None:
+    """Construction B on a recorded fluent request: silence put in between `words[cut - 1]` and `words[cut]`.
+
+    The boundary comes from Whisper's word timestamps (coarse: its word starts run ~120 ms late, so the
+    quietest 10 ms from 150 ms before the next word's start to that start is taken). None when Whisper
+    does not hear the two words next to each other: the caller skips the item."""
+    heard = aligner.words(rec.audio)
+    j = _heard_index(rec.words, [w for w, _, _ in heard], cut)
+    if j is None:
+        return None
+    t1, t2 = heard[j - 1][2], heard[j][1]
+    lo = min(t1, t2 - 0.15)
+    release = _ends_in_stop(rec.words[cut - 1]) and not _starts_with_stop(rec.words[cut])
+    x = np.asarray(rec.audio, np.float32)
+    return _pause_in(x, 16000, _splice_point(x, 16000, max(0.0, lo), t2, release), pause_ms)
 
 
 def _splice_point(x: np.ndarray, rate: int, t1: float, t2: float, release: bool) -> int:
