@@ -98,7 +98,7 @@ JUDGES = {
     "now: + device model P(end)": TurnOptions(),
     "device model, no word rule": TurnOptions(word_rule=False),
     "device model, no fast path for a sure '?'": TurnOptions(sure_end_prob=1.0),
-    "now + a long wait for a misheard last word (0.2)": TurnOptions(misheard_word_prob=0.2),
+    "now + the last word's doubt (0.5)": TurnOptions(misheard_word_prob=0.5),
 }
 
 

@@ -844,30 +844,38 @@ def test_a_transcript_that_closes_itself_with_whisper_sure_ends_the_turn_without
         TurnOptions(judge_at="later").validate()
 
 
-def test_a_last_word_whisper_barely_chose_waits_the_long_wait_whatever_the_audio_says():
+def test_the_wait_grows_as_whisper_is_less_sure_of_the_last_word():
     """tiny.en turns a fragment cut at a pause into a finished-looking phrase: "what are the steps | required
     for making a vacation request" in espeak's voice came out as "Well done, mate." (last word p 0.10),
     and Smart Turn and the device model both read an end. Opted in, a last word under `misheard_word_prob`
-    waits `max_wait_ms` without asking Smart Turn (the inputs are the pause benchmark's, tune split); a sure
-    one leaves the audio to decide, and the default (0) leaves the rule off."""
+    is a third doubt beside the audio's and the text's: the wait grows as its probability falls, on a log
+    scale, to `max_wait_ms` at a tenth of it (the inputs are the pause benchmark's, tune split). A sure word
+    leaves the wait to the others, a mid-phrase transcript still decides alone, and the default leaves it off."""
     from edge_client.voice.endofturn import EndOfTurn, TurnDecision, TurnOptions
 
-    opts = TurnOptions(min_wait_ms=200, max_wait_ms=1200, threshold=0.5, misheard_word_prob=0.2)
+    opts = TurnOptions(min_wait_ms=200, max_wait_ms=1200, threshold=0.5, misheard_word_prob=0.5)
     eot = EndOfTurn(opts, model=object())
-    for text, p_word in [("Well done, mate.", 0.100), ("Are you a computer or a ua?", 0.185)]:
+    waits = []
+    for text, p_word in [
+        ("Are you a computer or a ua?", 0.185),
+        ("Well done, mate.", 0.100),
+        ("It's very nice.", 0.04),
+    ]:
         d = eot.new_decision()
         eot.judge_text(d, text, p_word, 0.4)
         assert d.text_misheard and not d.text_unfinished and not d.text_sure_end, text
-        assert eot.wait_ms(d, 250, text_known=True) == 1200 and d.finished is False and d.judged_by == "transcript"
-        assert d.probability is None and "misheard" in d.summary()
+        assert eot.wait_ms(d, 250, text_known=True) is None  # not alone: Smart Turn is asked too
+        d.probability = 0.9  # the audio sounds finished
+        waits.append(eot.wait_ms(d, 250, text_known=True))
+        assert d.finished is False and d.judged_by == "smart-turn" and "misheard" in d.summary()
         assert TurnDecision(**d.to_json()).text_misheard  # the turn's JSON keeps it
+    assert waits == [632, 899, 1200], waits  # 200 + 1000 * log10(0.5 / p), up to the long wait
     sure = eot.new_decision()
     eot.judge_text(sure, "Well done, mate.", 0.95, 0.4)
-    assert not sure.text_misheard and eot.wait_ms(sure, 250, text_known=True) is None  # Smart Turn decides
     sure.probability = 0.9
-    assert eot.wait_ms(sure, 250, text_known=True) == 200
+    assert not sure.text_misheard and eot.wait_ms(sure, 250, text_known=True) == 200
     mid = eot.new_decision()
-    eot.judge_text(mid, "Set a timer for", 0.05, 0.0001)  # mid-phrase says so first
+    eot.judge_text(mid, "Set a timer for", 0.05, 0.0001)  # mid-phrase says so first, alone
     assert mid.text_unfinished and not mid.text_misheard and eot.wait_ms(mid, 250, text_known=True) == 1200
     off = EndOfTurn(TurnOptions(), model=object())
     d = off.new_decision()

@@ -15,12 +15,12 @@ ten minutes"): a 250 ms stop delay cut off most of the pause benchmark's turns
   at a hesitation often comes out so).
 
 Decision: the wait is short only when the signals agree. A transcript that reads as unfinished
-(the rule, or P(end) under `text_unfinished_below`), or, opted in, whose last word Whisper barely
-chose (likely misheard, so it cannot say the request is over), waits `max_wait_ms` whatever the audio says
+(the rule, or P(end) under `text_unfinished_below`) waits `max_wait_ms` whatever the audio says
 (Smart Turn judged 30-50 % of hesitations finished, more in voices it was not tuned on); a question
 Whisper closed and is sure of, with P(end) agreeing, ends after `min_wait_ms` without asking Smart
-Turn; otherwise the wait grows with the larger doubt, the audio's (Smart Turn under its threshold)
-or the text's (P(end) under `text_finished_from`), from `min_wait_ms` to `max_wait_ms`. With
+Turn; otherwise the wait grows with the largest doubt, the audio's (Smart Turn under its threshold),
+the text's (P(end) under `text_finished_from`) and, opted in, the last word's (Whisper unsure of it:
+likely misheard, so the transcript cannot say the request is over), from `min_wait_ms` to `max_wait_ms`. With
 `mode="silence"` (or when the model file is missing and `on_missing="silence"`) the turn ends after
 the stop delay, as before, and the decision says so.
 """
@@ -213,11 +213,12 @@ class TurnOptions:
     # under this counts as mid-phrase (0: never)
     unsure_word_prob: float = 0.9
     # A last word Whisper gave a probability under this is likely misheard: a fragment cut at a pause can come out
-    # as a finished-looking phrase ("convert fifty" as "Inburg 50."), so the transcript cannot say the request is
-    # over and the turn waits `max_wait_ms` (0: never, the default). An opt-in trade: at 0.2 (chosen on the pause
-    # benchmark's tune split) its test split cut off 10.4 % of paused requests against 12.1 %, but the wait at
-    # fluent ends grew past the dead-air goal (espeak en-gb mean +78 ms, p50 200 -> 799 ms), since Whisper is
-    # as unsure of some real last words ("visa", "Robbie") (docs/journal/voice.md).
+    # as a finished-looking phrase ("convert fifty" as "Inburg 50.", "what are the" as "Well done, mate."), so
+    # the transcript cannot say the request is over. The wait grows as the probability falls under this, on a
+    # log scale, to `max_wait_ms` at a tenth of it (0: never, the default). An opt-in trade: at 0.5 (chosen on the
+    # pause benchmark's tune split) its test split cut off 5.4 % of paused fragments against 7.5 %, but the wait
+    # at fluent ends grew past the dead-air goal (espeak en-gb mean +63 ms, p50 200 -> 678 ms): Whisper is as
+    # unsure of real last words it mishears ("insurance wheel" for "insurance bill") (docs/journal/voice.md).
     misheard_word_prob: float = 0.0
     # A transcript that ends on "?" with Whisper at least this sure of its last word ends the turn after the
     # short wait without asking Smart Turn (1: always ask). Smart Turn doubts the real end of hesitant speech
@@ -259,7 +260,7 @@ class TurnDecision:
     text_unfinished: bool | None = None  # the transcript ended mid-phrase (function-word rule or device model)
     text_end: float | None = None  # the device model's P(the request ends after the transcript's last word)
     text_sure_end: bool | None = None  # a question Whisper closed, sure of its last word: Smart Turn not asked
-    text_misheard: bool | None = None  # Whisper barely chose the last word: the transcript cannot end the turn
+    text_misheard: bool | None = None  # Whisper was unsure of the last word (likely misheard): its doubt grows the wait
     last_word_prob: float | None = None  # Whisper's probability of the transcript's last word
     wait_ms: int | None = None  # the silence that ended the turn
     pauses: int = 0  # pauses the person resumed from (each judged unfinished or too short)
@@ -277,15 +278,10 @@ class TurnDecision:
         return d
 
     @property
-    def text_waits(self) -> bool:
-        """The transcript alone sets the long wait: it ends mid-phrase, or its last word was likely misheard."""
-        return bool(self.text_unfinished or self.text_misheard)
-
-    @property
     def text_decides(self) -> bool:
-        """The transcript settles the wait alone, so Smart Turn is not asked: mid-phrase or misheard (the long
-        wait) or a question Whisper closed and is sure of (the short one)."""
-        return self.text_waits or bool(self.text_sure_end)
+        """The transcript settles the wait alone, so Smart Turn is not asked: mid-phrase (the long wait) or a
+        question Whisper closed and is sure of (the short one)."""
+        return bool(self.text_unfinished or self.text_sure_end)
 
     @property
     def judged_by(self) -> str:
@@ -343,11 +339,9 @@ class EndOfTurn:
         d.text_end = text_end if self.opts.text_model else None
         if self.opts.text_cue:
             d.text_unfinished = self.unfinished(text, last_word_prob, d.text_end)
-            d.text_misheard = (
-                not d.text_unfinished and last_word_prob is not None and last_word_prob < self.opts.misheard_word_prob
-            )
+            d.text_misheard = not d.text_unfinished and self.word_doubt(d) > 0
             d.text_sure_end = (
-                not d.text_waits
+                not d.text_unfinished
                 and sure_ending(text, last_word_prob, self.opts.sure_end_prob)
                 # a "?" Whisper put after a fragment ("...do you want?") is not a closed question
                 and (d.text_end is None or d.text_end >= self.opts.text_finished_from)
@@ -374,25 +368,33 @@ class EndOfTurn:
         lo, hi = np.log(o.text_unfinished_below), np.log(o.text_finished_from)
         return float(np.clip((hi - np.log(max(d.text_end, 1e-12))) / (hi - lo), 0.0, 1.0))
 
+    def word_doubt(self, d: TurnDecision) -> float:
+        """How likely the last word was misheard, 0 to 1: 0 when Whisper gave it `misheard_word_prob` or more,
+        1 at a tenth of that or less, on a log scale between."""
+        x, p = self.opts.misheard_word_prob, d.last_word_prob
+        if not self.opts.text_cue or x <= 0 or p is None or p >= x:
+            return 0.0
+        return float(np.clip(np.log(x / max(p, 1e-12)) / np.log(10.0), 0.0, 1.0))
+
     def wait_ms(self, d: TurnDecision, stop_delay_ms: int, text_known: bool) -> int | None:
         """The silence that ends the turn, or None while an input is still missing.
 
-        The wait is short only when the signals agree: it grows with the larger of two doubts, the
-        audio's (Smart Turn under its threshold) and the text's (`text_doubt`), from `min_wait_ms`
-        to `max_wait_ms`. A transcript that decides alone (mid-phrase or misheard, or a sure closed
-        question) is not sent to Smart Turn."""
+        The wait is short only when the signals agree: it grows with the largest of three doubts, the
+        audio's (Smart Turn under its threshold), the text's (`text_doubt`) and the last word's
+        (`word_doubt`), from `min_wait_ms` to `max_wait_ms`. A transcript that decides alone (mid-phrase,
+        or a sure closed question) is not sent to Smart Turn."""
         if not self.smart:
             return stop_delay_ms
         o = self.opts
         if o.text_cue and text_known and d.text_decides:
-            d.finished = not d.text_waits  # the transcript decides alone, Smart Turn is not asked
-            return o.max_wait_ms if d.text_waits else o.min_wait_ms
+            d.finished = not d.text_unfinished  # the transcript decides alone, Smart Turn is not asked
+            return o.max_wait_ms if d.text_unfinished else o.min_wait_ms
         if d.probability is None or (o.text_cue and not text_known):
             return None
         # Smart Turn says unfinished at the end of ~15% of fluent questions here (p < 0.1), so its doubt
         # grows the wait gradually instead of jumping to the longest.
         audio = max(0.0, (o.threshold - d.probability) / o.threshold)
-        doubt = max(audio, self.text_doubt(d))
+        doubt = max(audio, self.text_doubt(d), self.word_doubt(d))
         d.finished = doubt == 0.0
         return int(round(o.min_wait_ms + (o.max_wait_ms - o.min_wait_ms) * doubt))
 

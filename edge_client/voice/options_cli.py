@@ -101,8 +101,8 @@ def _add_turn_options(g: argparse._ArgumentGroup) -> None:
         "--misheard-word-prob",
         type=float,
         default=T.misheard_word_prob,
-        help="a last word Whisper gave under this probability is likely misheard: the turn waits --max-wait-ms "
-        "(0: never; default %(default)s)",
+        help="a last word Whisper gave under this probability is likely misheard: the wait grows as it falls, "
+        "to --max-wait-ms at a tenth of it (0: never; default %(default)s)",
     )
     g.add_argument(
         "--no-text-model",
