@@ -322,6 +322,35 @@ def grid(rows: list[dict]) -> list[dict]:
     return out
 
 
+def measure(
+    signals: Signals, audio: np.ndarray, construction: str, words: list[str], cut: int, whole: set[str]
+) -> dict:
+    """One item's pauses, each with the pipeline's inputs (and the true words' P(end) at the made pause and
+    at the end), and its kind: "fragment" or "whole" (first half a request on its own), None when fluent."""
+    frames, voiced, found = replay_vad(with_silence(audio, tail_s=1.6), VadOptions())
+    pauses = []
+    for pz in found:
+        if pz["resumed"] and pz["ms"] < TurnOptions().min_wait_ms:
+            continue  # a dip no judge could end the turn at
+        pauses.append(pz | signals.at(frames, voiced, pz["frames"]))
+        if not pz["resumed"]:
+            break
+    made = made_pause({"pauses": pauses})
+    known = [] if construction == "fluent" or made is None else [(made, words[:cut])]
+    if pauses and not pauses[-1]["resumed"]:
+        known.append((pauses[-1], words))
+    for p, truth in known:
+        p["true_text"] = spoken(truth)
+        p["true_p_end"] = signals.text_end(p["true_text"])
+    kind = None if construction == "fluent" else "fragment"
+    if kind and f"{' '.join(words[:cut])} | {' '.join(words[cut:])}" in whole:
+        kind = "whole"
+    out: dict = {"kind": kind, "pauses": pauses}
+    if construction == "recorded pause":  # the speaker's own pause; one too short to hear cannot cut off
+        out["pause_ms"] = round(made["ms"]) if made else 1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--split", choices=tuple(SPLITS), default="tune")
@@ -344,7 +373,6 @@ def main() -> None:
     constructions = args.constructions.split(",")
     rows: list[dict] = []
     whole = whole_halves(WHOLE_HALVES)
-    vad = VadOptions()
     t_start = time.perf_counter()
     for vi, vname in enumerate(args.voices.split(",")):
         if vname.startswith("recorded:"):
@@ -357,30 +385,9 @@ def main() -> None:
             audio = make_audio()
             if audio is None:
                 continue
-            frames, voiced, found = replay_vad(with_silence(audio, tail_s=1.6), vad)
-            pauses = []
-            for pz in found:
-                if pz["resumed"] and pz["ms"] < TurnOptions().min_wait_ms:
-                    continue  # a dip no judge could end the turn at
-                pauses.append(pz | signals.at(frames, voiced, pz["frames"]))
-                if not pz["resumed"]:
-                    break
-            # the true words at the made pause and at the end
-            made = made_pause({"pauses": pauses})
-            if construction == "recorded pause":  # the speaker's own pause; one too short to hear cannot cut
-                pause_ms = round(made["ms"]) if made else 1
-            known = [] if construction == "fluent" or made is None else [(made, words[:cut])]
-            if pauses and not pauses[-1]["resumed"]:
-                known.append((pauses[-1], words))
-            for p, truth in known:
-                p["true_text"] = spoken(truth)
-                p["true_p_end"] = signals.text_end(p["true_text"])
-            kind = None if construction == "fluent" else "fragment"
-            if kind and f"{' '.join(words[:cut])} | {' '.join(words[cut:])}" in whole:
-                kind = "whole"
             row = {"voice": vname, "construction": construction, "query": query, "cut": cut, "pause_ms": pause_ms}
-            row["kind"] = kind
-            rows.append(row | {"pauses": pauses})
+            rows.append(row | measure(signals, audio, construction, words, cut, whole))
+            pauses = rows[-1]["pauses"]
             shown = " | ".join(
                 f"{p['ms']:.0f}ms {p['text']!r} end={p['p_end'] or 0:.3f} turn={p['p_turn']:.2f}" for p in pauses
             )
