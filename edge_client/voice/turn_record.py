@@ -18,28 +18,36 @@ def _round(x: float | None, nd: int = 1) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
+# The part of `Answer.to_json` (`ask --json`) a turn needs, under the same names: its text, who wrote each
+# token ("tiers": 0 the device, 1 the cloud, 2+ a tier above it), what the cloud cost, and how it ended
+# ("finish_reason" "length": cut at the token limit; "warnings": a base model wrote some of it)
+TURN_ANSWER_KEYS = (
+    "text",
+    "pieces",
+    "routes",
+    "tiers",
+    "scores",
+    "lookahead_positions",
+    "overruled_positions",
+    "n_tokens",
+    "n_cloud_tokens",
+    "round_trips",
+    "bytes_up",
+    "bytes_down",
+    "cloud_timeouts",
+    "degraded",
+    "finish_reason",
+    "warnings",
+)
+
+
 def answer_json(a: Answer) -> dict[str, Any]:
-    """The routed answer: its text, who wrote each token and what the cloud cost. The part of
-    `Answer.to_json` (`ask --json`) a turn needs, under the same names."""
-    return {
-        "text": a.text,
-        "pieces": a.pieces,  # each token's text, as streamed
-        "routes": a.routes,
-        "tiers": a.tiers,  # who wrote each token: 0 the device, 1 the cloud, 2+ a tier above it (--tier)
-        "scores": [_round(s, 3) for s in a.scores],
-        "lookahead_positions": a.lookahead_positions,
-        "overruled_positions": a.overruled_positions,
-        "n_tokens": a.n_tokens,
-        "n_cloud_tokens": a.n_cloud_tokens,
-        "round_trips": a.round_trips,
-        "bytes_up": a.bytes_up,
-        "bytes_down": a.bytes_down,
-        "cloud_timeouts": a.cloud_timeouts,
-        "reconnects": a.traffic.reconnects,  # failovers: the session rebuilt on another cloud replica
+    """The routed answer: `Answer.to_json`'s TURN_ANSWER_KEYS, plus the failovers (the session rebuilt on
+    another cloud replica) and what they cost, and the first token's latency."""
+    full = a.to_json()
+    return {k: full[k] for k in TURN_ANSWER_KEYS} | {
+        "reconnects": a.traffic.reconnects,
         "failover_lost_ms": _round(a.traffic.failover_lost_ms),
-        "degraded": a.degraded,
-        "finish_reason": a.finish_reason,  # "length": cut at the token limit, not a complete answer
-        "warnings": a.warnings,  # a base model wrote some of it (generator.base_model_warnings)
         "first_token_ms": _round(a.latency.first_token),
     }
 
