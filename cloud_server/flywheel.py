@@ -35,7 +35,7 @@ from models.train.shards import make_records, write_shard
 from shared.learned_router import N_LOGIT_FEATURES
 
 log = logging.getLogger(__name__)
-_Row = tuple[np.ndarray, int, int, int]  # hidden state, proposed token, cloud token, position
+_Row = tuple[np.ndarray, int, int, int, bool]  # hidden state, proposed token, cloud token, position, explored
 MAX_HIDDEN = 1 << 16  # widest hidden state recorded (a 70B model's is 8192); wider rows are no model's
 SHARD_BYTES = 64 << 20  # a buffer is written once its hidden states take this much, whatever its rows
 
@@ -52,8 +52,17 @@ class FlywheelRecorder:
         self._rows: dict[tuple[str, int], list[_Row]] = {}
         self._n_written = 0
 
-    def record(self, edge_fingerprint: str, hidden: np.ndarray, proposed: int, cloud_token: int, position: int) -> None:
-        """One hard position. Cheap: a copy of the float16 hidden state into a list."""
+    def record(
+        self,
+        edge_fingerprint: str,
+        hidden: np.ndarray,
+        proposed: int,
+        cloud_token: int,
+        position: int,
+        explored: bool = False,
+    ) -> None:
+        """One hard position (`explored`: asked at random where the device's engine kept it, an unbiased
+        label). Cheap: a copy of the float16 hidden state into a list."""
         if hidden is None or proposed < 0:
             return
         row = np.asarray(hidden, dtype=np.float16).reshape(-1).copy()
@@ -62,7 +71,7 @@ class FlywheelRecorder:
         key = (edge_fingerprint, row.size)
         with self._lock:
             rows = self._rows.setdefault(key, [])
-            rows.append((row, int(proposed), int(cloud_token), int(position)))
+            rows.append((row, int(proposed), int(cloud_token), int(position), bool(explored)))
             full = len(rows) >= min(self.shard_rows, SHARD_BYTES // row.nbytes)
         if full:
             self._write([(key, self._take(key))])
@@ -97,6 +106,7 @@ class FlywheelRecorder:
                 "mismatch": (proposed != cloud).astype(np.int8),
                 "divergent": np.full(n, -1),
                 "regret": np.full(n, np.nan, dtype=np.float32),
+                "explored": np.array([r[4] for r in rows], dtype=np.int8),
             }
             meta = {
                 "source": "flywheel",

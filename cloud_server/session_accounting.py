@@ -143,10 +143,13 @@ class SessionAccounting:
         else:
             r.asked += 1
 
-    def record_choice(self, hidden: np.ndarray | None, device_token: int, cloud_token: int, position: int) -> None:
-        """The flywheel (opt-in): the device's hidden state at a hard position and both sides' choices."""
+    def record_choice(
+        self, hidden: np.ndarray | None, device_token: int, cloud_token: int, position: int, explored: bool = False
+    ) -> None:
+        """The flywheel (opt-in): the device's hidden state at a hard position, both sides' choices, and
+        whether the position was explored (asked at random, not sent up by the device's engine)."""
         if self.recorder is not None and hidden is not None:
-            self.recorder.record(self.edge_model, hidden, device_token, cloud_token, position)
+            self.recorder.record(self.edge_model, hidden, device_token, cloud_token, position, explored)
 
     # ------------------------------------------------------------ the engine's work, reported with each reply
 

@@ -114,7 +114,7 @@ class TokenAnswer(SharedAnswer):
             eog = self.engine.is_eog(token)
             final = eog or i == msg.max_tokens - 1
             if i == 0:
-                acct.record_choice(msg.hidden, msg.proposed, token, position)
+                acct.record_choice(msg.hidden, msg.proposed, token, position, msg.explore)
             await self._send_tokens(msg.request_id, position + i, written, final, eog)
             acct.services.metrics.hard_token_time.observe(time.perf_counter() - t_received)
             t_received = time.perf_counter()

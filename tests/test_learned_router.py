@@ -132,6 +132,7 @@ def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info,
     assert (
         rec["hidden"].shape == (n_cloud, 576) and np.isnan(rec["logit_feats"]).all() and (rec["divergent"] == -1).all()
     )
+    assert (rec["explored"] == 0).all()  # every one sent up by the router, none explored
     cloud_tokens = [t for a in (answer, answer2) for t, r in zip(a.tokens, a.routes) if r == "cloud"]
     assert sorted(rec["cloud_token"].tolist()) == sorted(cloud_tokens)
     assert np.array_equal(rec["mismatch"].astype(bool), rec["proposed"] != rec["cloud_token"])
@@ -150,6 +151,55 @@ def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info,
         )
         assert load_router(tmp_path / "live.npz", edge_info).meta["edge_fingerprint"] == edge_info.fingerprint
         assert report["data"]["sources"] == ["flywheel"]
+
+
+@pytest.mark.slow
+def test_the_flywheel_flags_explored_positions_and_fit_reports_their_mismatch_apart(tmp_path, edge_info, cloud_info):
+    """A router that keeps every position (threshold 1), with exploration always on and no lookahead guesses:
+    each cloud token is an explored position, an unbiased label of where the device writes, and its row
+    says so (`explored` 1), so `fit` can tell it from the router's own biased choices and reports its
+    mismatch apart; shards without the column read as -1."""
+    from models.train.shards import read_shard, write_shard
+
+    record = tmp_path / "live"
+    with LocalCloudServer(
+        model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]
+    ) as server:
+        opts = GeneratorOptions(
+            cloud=server.url,
+            api_key=server.api_key,
+            policy="router",
+            cloud_fraction=None,
+            threshold=1.0,
+            max_tokens=12,
+            check="off",
+            explore=1.0,
+            explore_per_minute=1000.0,
+            lookahead=False,  # every position then goes to the cloud by exploration alone
+        )
+        with open_generator(opts) as gen:
+            answers = [
+                gen.generate(chat(q), max_tokens=12) for q in ("set a timer for ten minutes", "who wrote hamlet")
+            ]
+    n_cloud = sum(a.n_cloud_tokens for a in answers)
+    assert all(a.explored_positions and a.n_cloud_tokens == len(a.explored_positions) for a in answers)
+    rec = load_records([record])
+    assert len(rec) == n_cloud >= 10 and (rec["explored"] == 1).all()
+    report = fit(
+        FitOptions(
+            train=[str(record)], val=[str(record)], out=tmp_path / "r.npz", label="mismatch", epochs=1, hidden_units=8
+        )
+    )
+    rates = report["data"]["val_rates"]
+    assert rates["explored_rows"] == len(rec) and rates["explored_mismatch"] == pytest.approx(
+        rec["mismatch"].mean(), abs=1e-4
+    )
+    old = read_shard(next(record.glob("*.npz")))  # a shard written before the column: the fill is -1
+    del old.columns["explored"]
+    np.savez_compressed(tmp_path / "old.npz", meta=np.array("{}"), **old.columns)
+    assert (read_shard(tmp_path / "old.npz")["explored"] == -1).all()
+    write_shard(tmp_path / "again.npz", read_shard(tmp_path / "old.npz"))
+    assert (read_shard(tmp_path / "again.npz")["explored"] == -1).all()
 
 
 def test_a_tier_router_reuses_the_pair_routers_logit_features(edge_info):

@@ -225,14 +225,22 @@ def regret_captured(
 
 
 def _rates(rec: Records, opts: FitOptions) -> dict[str, float]:
-    div = rec["divergent"]
-    return {
+    """Label rates; with live explored rows, their mismatch apart: positions the device's engine kept,
+    asked at random, so an unbiased rate of the cloud disagreeing where the device writes."""
+    div, explored = rec["divergent"], rec["explored"] == 1
+    rates = {
         "mismatch": round(float(rec["mismatch"].mean()), 4),
         "divergent": round(float((div[div >= 0] > 0).mean()), 4)
         if (div >= 0).any()
         else float("nan"),  # of the rows that have the label
         "target": round(float(targets(rec, opts.label, opts.regret_nats).mean()), 4),
     }
+    if explored.any():
+        rates |= {
+            "explored_rows": int(explored.sum()),
+            "explored_mismatch": round(float(rec["mismatch"][explored].mean()), 4),
+        }
+    return rates
 
 
 def evaluate_scores(scores: np.ndarray, rec: Records, label: str, regret_nats: float) -> dict[str, Any]:

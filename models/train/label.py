@@ -63,7 +63,7 @@ import numpy as np
 
 from models.registry import model_info
 from models.train.pair import PairStepper
-from models.train.shards import COLUMNS, make_records, read_shard, write_shard
+from models.train.shards import COLUMNS, OPTIONAL, make_records, read_shard, write_shard
 from models.train.text_label import LABEL_RULE, LABEL_SPACE, TextLabeller
 from shared.learned_router import LearnedRouter, LogitFeaturizer, load_router
 from shared.llama_backend import LlamaModel
@@ -224,7 +224,7 @@ def _label_text(
     labeller = TextLabeller(edge, scorer, threads=opts.threads, proposer=cloud if judge is not None else None)
 
     def label_shard(i: int) -> dict[str, list]:
-        rows: dict[str, list] = {c: [] for c in COLUMNS}
+        rows: dict[str, list] = {c: [] for c in COLUMNS if c not in OPTIONAL}  # every position labelled: none explored
         for k, p in enumerate(prompts[i * per : (i + 1) * per]):
             eprompt, sprompt = chat(edge, opts.system_prompt, p), chat(scorer, opts.system_prompt, p)
             pprompt = chat(cloud, opts.system_prompt, p) if judge is not None else None
@@ -287,7 +287,7 @@ def _label_batch(
         else []
     )
     stepper.start([(p, [k]) for k, p in enumerate(prompts)])
-    rows: dict[str, list] = {k: [] for k in COLUMNS}
+    rows: dict[str, list] = {k: [] for k in COLUMNS if k not in OPTIONAL}
     answers: list[list[int]] = [[] for _ in prompts]
     where: list[list[int]] = [[] for _ in prompts]  # row index of each answer position
     for step in range(opts.max_tokens):

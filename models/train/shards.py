@@ -12,6 +12,10 @@ One shard holds N positions:
     mismatch     int8    [N]           proposed != cloud_token
     divergent    int8    [N]           1/0, or -1 when not labelled (live traffic, routed paths)
     regret       float32 [N]           cloud log p(cloud token) - log p(edge token), NaN if unknown
+    explored     int8    [N]           live: 1 asked at random where the device's engine kept the position
+                                       (exploration: an unbiased label), 0 sent up by the engine; -1 not
+                                       applicable (offline labelling, every position) or not recorded
+                                       (a shard older than the column)
     meta         JSON string           edge/cloud fingerprints, source, label rule
 
 Both `tokenrouter-train label` and the cloud's flywheel write this format, so
@@ -40,7 +44,9 @@ COLUMNS = (
     "mismatch",
     "divergent",
     "regret",
+    "explored",
 )
+OPTIONAL = {"explored": -1}  # columns a writer may leave out and older shards lack: their fill
 _DTYPES = {
     "hidden": np.float16,
     "logit_feats": np.float32,
@@ -51,6 +57,7 @@ _DTYPES = {
     "mismatch": np.int8,
     "divergent": np.int8,
     "regret": np.float32,
+    "explored": np.int8,
 }
 
 
@@ -83,9 +90,10 @@ class Records:
 
 
 def make_records(rows: dict[str, list | np.ndarray], meta: dict[str, Any]) -> Records:
-    """Columns from lists, cast to the shard dtypes and checked for equal length."""
-    cols = {k: np.asarray(rows[k], dtype=_DTYPES[k]) for k in COLUMNS}
-    n = len(cols["proposed"])
+    """Columns from lists, cast to the shard dtypes and checked for equal length; an OPTIONAL column left
+    out is filled."""
+    n = len(rows["proposed"])
+    cols = {k: np.asarray(rows[k] if k in rows else np.full(n, OPTIONAL[k]), dtype=_DTYPES[k]) for k in COLUMNS}
     bad = [k for k, v in cols.items() if len(v) != n]
     if bad:
         raise ShardError(f"columns {bad} do not have {n} rows")
@@ -104,7 +112,10 @@ def read_shard(path: Path) -> Records:
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            cols = {k: z[k] for k in COLUMNS}
+            n = len(z["proposed"])
+            cols = {
+                k: z[k] if k in z.files or k not in OPTIONAL else np.full(n, OPTIONAL[k], _DTYPES[k]) for k in COLUMNS
+            }
     except (OSError, KeyError, ValueError) as exc:
         raise ShardError(f"{path} is not a training shard ({exc})") from None
     return Records(cols, meta)
