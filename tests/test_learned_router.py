@@ -8,6 +8,7 @@ edge model; the flywheel test runs the real cloud server on loopback with
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,27 +100,27 @@ def test_every_router_gives_a_calibration_prior_and_says_whether_it_reports_drif
     assert learned.drift_report()["router"] == learned.name
 
 
+def live_answers(record: Path, questions: list[str], max_tokens: int, **opts) -> list:
+    """Answers to `questions` through a loopback cloud server whose flywheel records into `record`; the
+    router policy, threshold 0 (every position sent up) and check off unless `opts` say otherwise."""
+    with LocalCloudServer(
+        model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]
+    ) as server:
+        o = {"policy": "router", "cloud_fraction": None, "threshold": 0.0, "check": "off"} | opts
+        gen_opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, max_tokens=max_tokens, **o)
+        with open_generator(gen_opts) as gen:
+            return [gen.generate(chat(q), max_tokens=max_tokens) for q in questions]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("check", ["off", "all"])
 def test_flywheel_records_live_hard_tokens_that_fit_accepts(tmp_path, edge_info, cloud_info, check):
     """Hard tokens reach the recorder with their hidden state from `generate` (check off) and
     from the cloud's check (`verify` carries the flagged drafts' hidden states)."""
     record = tmp_path / "live"
-    with LocalCloudServer(
-        model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]
-    ) as server:
-        opts = GeneratorOptions(
-            cloud=server.url,
-            api_key=server.api_key,
-            policy="router",
-            cloud_fraction=None,
-            threshold=0.0,
-            max_tokens=10,
-            check=check,
-        )
-        with open_generator(opts) as gen:
-            answer = gen.generate(chat("set a timer for ten minutes"), max_tokens=10)
-            answer2 = gen.generate(chat("what is the capital of france"), max_tokens=10)
+    answer, answer2 = live_answers(
+        record, ["set a timer for ten minutes", "what is the capital of france"], 10, check=check
+    )
     n_cloud = answer.n_cloud_tokens + answer2.n_cloud_tokens
     assert n_cloud > 0
     rec = load_records([record])
@@ -162,25 +163,16 @@ def test_the_flywheel_flags_explored_positions_and_fit_reports_their_mismatch_ap
     from models.train.shards import read_shard, write_shard
 
     record = tmp_path / "live"
-    with LocalCloudServer(
-        model=DEFAULT_CLOUD_MODEL, extra_args=["--record-dir", str(record), "--threads", "1"]
-    ) as server:
-        opts = GeneratorOptions(
-            cloud=server.url,
-            api_key=server.api_key,
-            policy="router",
-            cloud_fraction=None,
-            threshold=1.0,
-            max_tokens=12,
-            check="off",
-            explore=1.0,
-            explore_per_minute=1000.0,
-            lookahead=False,  # every position then goes to the cloud by exploration alone
-        )
-        with open_generator(opts) as gen:
-            answers = [
-                gen.generate(chat(q), max_tokens=12) for q in ("set a timer for ten minutes", "who wrote hamlet")
-            ]
+    # every position then goes to the cloud by exploration alone
+    answers = live_answers(
+        record,
+        ["set a timer for ten minutes", "who wrote hamlet"],
+        12,
+        threshold=1.0,
+        explore=1.0,
+        explore_per_minute=1000.0,
+        lookahead=False,
+    )
     n_cloud = sum(a.n_cloud_tokens for a in answers)
     assert all(a.explored_positions and a.n_cloud_tokens == len(a.explored_positions) for a in answers)
     rec = load_records([record])
