@@ -7,7 +7,9 @@ tiers must be in one unit, so each tier reads the router whose labels the top ti
 (`tokenrouter-train label --judge`, the signed `gain` label: g_t in (-1, 1), negative where the
 tier's token is expected to be worse than the device's), where one ships. Each tier has a
 cost c_t in GPU-milliseconds per asked token, from the GPU cost model (shared/gpu_cost.py) at the
-tier's model size (`sizes=8/70`: an 8B, then a 70B). The position goes to
+tier's model size (`sizes=8/70`: an 8B, then a 70B), plus, where others wrote the positions since the
+tier last did, the pass it needs to take them in first (its KV cache follows the history): asks
+that follow the device's tokens cost a tier two passes, asks in a row one. The position goes to
 
     argmax_t  g_t - lambda * c_t     (the device, t = 0: gain 0, cost 0)
 
@@ -47,23 +49,32 @@ class CostEngine:
         gpu_ms_per_token: float,
         gpu_ms: float = math.inf,
         wait_ms: float = math.inf,
+        catch_up_ms: list[float] | None = None,
     ) -> None:
-        """`costs_ms` and `waits_ms` per cloud tier (1, 2, ...): GPU-ms and wait per ask."""
+        """`costs_ms` and `waits_ms` per cloud tier (1, 2, ...): GPU-ms and wait per ask; `catch_up_ms`:
+        GPU-ms of the pass a tier takes in the tokens others wrote since it last wrote (0: not counted)."""
         self.costs = [0.0, *costs_ms]
+        self.catch_up = [0.0, *(catch_up_ms or [0.0] * len(costs_ms))]
         self.waits = [0.0, *waits_ms]
         self.target = gpu_ms_per_token
         self.gpu_ms, self.wait_ms = gpu_ms, wait_ms
         self.unit = min(costs_ms)  # the cheapest ask: lambda * unit is a score threshold there
         self.price = 0.5 / self.unit  # lambda: a threshold of 0.5 on the cheapest tier to start
         self.spent = self.waited = 0.0
+        self.in_step = [True] * len(self.costs)  # each tier's cache holds the history (the prompt, at first)
 
     def start_answer(self) -> None:
         self.spent = self.waited = 0.0
+        self.in_step = [True] * len(self.costs)  # every tier reads the prompt (a cost no decision changes)
+
+    def cost(self, tier: int) -> float:
+        """GPU-ms of asking `tier` here: the ask, and the catch-up pass if others wrote since it did."""
+        return self.costs[tier] + (0.0 if self.in_step[tier] else self.catch_up[tier])
 
     def decide(self, position: Position) -> int:
         best, best_net, open_tiers = DEVICE, 0.0, 0
         for tier in range(1, len(self.costs)):
-            cost = self.costs[tier]
+            cost = self.cost(tier)
             if self.spent + cost > self.gpu_ms:
                 continue
             if position.in_first_clause and self.waited + self.waits[tier] > self.wait_ms:
@@ -72,7 +83,8 @@ class CostEngine:
             net = position.score_for(tier) - self.price * cost
             if net > best_net:
                 best, best_net = tier, net
-        cost = self.costs[best]
+        cost = self.cost(best)
+        self.in_step = [tier == best for tier in range(len(self.costs))]
         self.spent += cost
         if position.in_first_clause:
             self.waited += self.waits[best]
@@ -108,4 +120,5 @@ def make_cost_engine(setup: EngineSetup) -> CostEngine:
         rate,
         gpu_ms=option_number("cost", "gpu_ms", setup.options.get("gpu_ms", "inf")),
         wait_ms=option_number("cost", "wait_ms", setup.options.get("wait_ms", "inf")),
+        catch_up_ms=[1000.0 * m.gpu_seconds(1, 0) for m in models],
     )

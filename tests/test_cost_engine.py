@@ -47,13 +47,40 @@ def test_the_price_calibrates_to_the_spend_whatever_the_scores_scale():
         for i in range(6000):
             if i % 40 == 0:
                 e.start_answer()
+            costs = [e.cost(t) for t in range(3)]  # with the catch-up pass where others wrote since
             tier = e.decide(
                 Position(
                     index=i % 40, score=float(s1[i]), tier_scores=np.array([0, s1[i], s2[i]]), in_first_clause=False
                 )
             )
-            spent.append(e.costs[tier])
+            spent.append(costs[tier])
         assert abs(np.mean(spent[2000:]) / target - 1) < 0.1, np.mean(spent[2000:])
+
+
+def test_an_ask_after_others_wrote_costs_the_tiers_catch_up_pass():
+    """A tier's cache follows the history: asked after the device (or another tier) wrote, the server
+    first takes those tokens in, a pass of its own (bench_pool's pairs measured ~1 + asks + such switches
+    passes per answer; docs/journal/router.md). Asks in a row cost one pass each; the prompt's pass, at
+    the start of every answer, is no decision's."""
+    e = engine("cost:sizes=8/70")
+    pass_ms = [0.0, *(1000.0 * GpuCostModel.for_size(b).gpu_seconds(1, 0) for b in (8, 70))]
+    want = [0, 2, 2, 0, 2, 1, 1, 0]  # who should write each position; scores that make it so, below
+    e.price, e.target = 0.0, float("inf")  # no spend to aim at: the price stays 0 and the scores alone decide
+    spent = 0.0
+    e.start_answer()
+    for i, tier in enumerate(want):
+        costs = [e.cost(t) for t in range(3)]
+        assert costs[0] == 0.0
+        for t in (1, 2):  # in step only when it wrote the last position (or at the start: the prompt)
+            in_step = i == 0 or want[i - 1] == t
+            assert costs[t] == pytest.approx(e.costs[t] + (0.0 if in_step else pass_ms[t])), (i, t)
+        scores = np.array([0.0, 0.5 if tier == 1 else -1.0, 0.9 if tier == 2 else -1.0])
+        got = e.decide(Position(index=i, score=0.0, tier_scores=scores, in_first_clause=False))
+        assert got == tier, (i, got)
+        spent += costs[got]
+    assert e.spent == pytest.approx(spent)
+    # 8B: two asks in a row after the 70B wrote, one catch-up; 70B: asked twice, each after the device
+    assert spent == pytest.approx(2 * e.costs[1] + pass_ms[1] + 3 * e.costs[2] + 2 * pass_ms[2])
 
 
 def test_a_position_goes_where_gain_best_pays_for_cost():
