@@ -61,15 +61,16 @@ class CostEngine:
         self.unit = min(costs_ms)  # the cheapest ask: lambda * unit is a score threshold there
         self.price = 0.5 / self.unit  # lambda: a threshold of 0.5 on the cheapest tier to start
         self.spent = self.waited = 0.0
-        self.in_step = [True] * len(self.costs)  # each tier's cache holds the history (the prompt, at first)
+        self.last: int | None = None  # who wrote the last position (None: none yet, every tier read the prompt)
 
     def start_answer(self) -> None:
         self.spent = self.waited = 0.0
-        self.in_step = [True] * len(self.costs)  # every tier reads the prompt (a cost no decision changes)
+        self.last = None  # every tier reads the prompt: a cost no decision changes
 
     def cost(self, tier: int) -> float:
         """GPU-ms of asking `tier` here: the ask, and the catch-up pass if others wrote since it did."""
-        return self.costs[tier] + (0.0 if self.in_step[tier] else self.catch_up[tier])
+        in_step = self.last is None or self.last == tier
+        return self.costs[tier] + (0.0 if in_step else self.catch_up[tier])
 
     def decide(self, position: Position) -> int:
         best, best_net, open_tiers = DEVICE, 0.0, 0
@@ -84,7 +85,7 @@ class CostEngine:
             if net > best_net:
                 best, best_net = tier, net
         cost = self.cost(best)
-        self.in_step = [tier == best for tier in range(len(self.costs))]
+        self.last = best
         self.spent += cost
         if position.in_first_clause:
             self.waited += self.waits[best]
