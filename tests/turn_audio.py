@@ -353,7 +353,7 @@ def spliced_recording(rec: Recording, aligner: WordAligner, cut: int, pause_ms: 
     quietest 10 ms from 150 ms before the next word's start to that start is taken). On synthetic
     speech, where `junction_span` can place it from the halves, this put the pause within 20 ms of that
     splice at 67-70 % of 139 boundaries (Piper, espeak-ng en-us), within 40 ms at 73-74 %, of the
-    windows tried the closest. None when Whisper does not hear the two words next to each other (11-19 %
+    windows tried the closest. None when Whisper does not hear the two words next to each other (10-19 %
     of them there): the caller skips the item."""
     heard = aligner.words(rec.audio)
     j = _heard_index(rec.words, [w for w, _, _ in heard], cut)
