@@ -85,6 +85,7 @@ from edge_client.voice.endofturn import EndOfTurn, SmartTurn, TurnOptions  # noq
 from edge_client.voice.resample import resample  # noqa: E402
 from edge_client.voice.vad import FRAME_S, VadOptions  # noqa: E402
 from models.registry import model_info  # noqa: E402
+from models.train.features import auc  # noqa: E402
 from shared.llama_backend import LlamaModel  # noqa: E402
 from shared.prompting import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
@@ -214,14 +215,6 @@ def by_kind(rows: list[dict]) -> dict:
     return out
 
 
-def auc(higher: list[float], lower: list[float]) -> float | None:
-    """ROC AUC: the chance that a draw from `higher` exceeds one from `lower` (ties count half)."""
-    if not higher or not lower:
-        return None
-    a, b = np.array(higher)[:, None], np.array(lower)[None, :]
-    return round(float((a > b).mean() + 0.5 * (a == b).mean()), 2)
-
-
 def signal_auc(rows: list[dict]) -> dict:
     """How well each input alone tells a real end from the made pause (AUC; 0.5 is chance), per voice and
     kind of pause: P(end) and Smart Turn should be higher at an end, Whisper's last-word probability too."""
@@ -232,8 +225,9 @@ def signal_auc(rows: list[dict]) -> dict:
         for kind in ("fragment", "whole"):
             made = [made_pause(r) for r in mine if r["kind"] == kind]
             made = [p for p in made if p is not None]
+            y = np.r_[np.ones(len(ends)), np.zeros(len(made))]
             out[f"{v} / end vs {kind} pause ({len(ends)}, {len(made)})"] = {
-                name: auc([p[key] or 0.0 for p in ends], [p[key] or 0.0 for p in made])
+                name: None if not (ends and made) else round(auc(np.array([p[key] or 0.0 for p in ends + made]), y), 2)
                 for name, key in (("P(end)", "p_end"), ("Smart Turn", "p_turn"), ("last word p", "p_word"))
             }
     return out

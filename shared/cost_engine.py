@@ -73,7 +73,7 @@ class CostEngine:
         return self.costs[tier] + (0.0 if in_step else self.catch_up[tier])
 
     def decide(self, position: Position) -> int:
-        best, best_net, open_tiers = DEVICE, 0.0, 0
+        best, best_net, best_cost, open_tiers = DEVICE, 0.0, 0.0, 0
         for tier in range(1, len(self.costs)):
             cost = self.cost(tier)
             if self.spent + cost > self.gpu_ms:
@@ -83,15 +83,14 @@ class CostEngine:
             open_tiers += 1
             net = position.score_for(tier) - self.price * cost
             if net > best_net:
-                best, best_net = tier, net
-        cost = self.cost(best)
+                best, best_net, best_cost = tier, net, cost
         self.last = best
-        self.spent += cost
+        self.spent += best_cost
         if position.in_first_clause:
             self.waited += self.waits[best]
         if open_tiers:  # (a position the budgets kept on the device says nothing about the price)
             # dual ascent on the spend per position: a step of STEP in tier 1's threshold per unit overspent
-            self.price = max(0.0, self.price + STEP * (cost - self.target) / (self.unit * self.unit))
+            self.price = max(0.0, self.price + STEP * (best_cost - self.target) / (self.unit * self.unit))
         return best
 
 

@@ -337,7 +337,7 @@ def test_speech_that_goes_on_over_the_reply_joins_the_request_it_cut_off(engines
         th.join(timeout=60)
         out["stop"].set()
     cut, whole = out["turns"][:2]
-    assert cut.interrupted and cut.rejoined and "store" in words(cut.request), cut
+    assert cut.interrupted and cut.rejoined and "store" in words(cut.request) and cut.spoken_text == "", cut
     assert not whole.interrupted and not whole.rejoined, whole
     assert "sunday" in words(whole.transcript) and "store" not in words(whole.transcript), whole.transcript
     assert whole.request == join_request(cut.request, whole.transcript), whole.request

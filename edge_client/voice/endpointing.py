@@ -1,8 +1,7 @@
 """Deciding that the person's turn is over (the judge itself is endofturn.py).
 
-At each pause the speculative transcript is checked for a mid-phrase ending, a last word like
-"that" that Whisper was unsure of, or (opted in) any last word Whisper barely chose (then the turn waits
-`turn.max_wait_ms`), else Smart Turn judges
+At each pause the speculative transcript is checked for a mid-phrase ending or a last word like
+"that" that Whisper was unsure of (then the turn waits `turn.max_wait_ms`), else Smart Turn judges
 the audio up to `turn.judge_after_ms` into the pause, once the transcript is in; a turn that sounds
 finished ends after `turn.min_wait_ms` of silence. The speculative answer still starts at the first
 silent frame; its audio stays held until the turn is judged over.

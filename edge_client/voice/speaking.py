@@ -141,7 +141,8 @@ class Speaking:
         else:
             request = self.dialogue.add_exchange(turn.user_text, heard)
         self.emit(Interruption(onset_t, t_stopped, heard, rejoined))
-        self.emit(self._record(turn, request, heard, interrupted=True, rejoined=rejoined))
+        # what went into the history: what was played, or nothing when the person went on
+        self.emit(self._record(turn, request, "" if rejoined else heard, interrupted=True, rejoined=rejoined))
 
     def _went_on(self, turn: Turn, onset_t: float) -> bool:
         """The interrupting speech goes on with the turn's request: it began within the longest wait for a

@@ -16,7 +16,7 @@ well, because it is a likely next line of a chat. Two checks a reader makes at a
   "Voice assistant:"): the model wrote the chat's next turns, not an answer;
 - **recites the instructions**: the first sentence is a sentence of the system prompt again ("You are
   a helpful voice assistant."), which the likelihood of a model that reads the prompt rewards: it is
-  the likeliest text in the context. Read in the pool's test answers, where it was 11 of 40 at the
+  the likeliest text in the context. Read in the pool's test answers, where it was 10 of 40 at the
   top spend (docs/journal/router.md, 2026-12-07).
 
 Rules of thumb, checked against answers read side by side (docs/router.md, "Read side by side"):
