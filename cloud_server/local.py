@@ -5,6 +5,7 @@ A real separate process, as in production: it can be killed to test failover.
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 from cloud_server.config import READY_LINE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+LOG_LINES_KEPT = 2000
 
 
 class LocalCloudServer:
@@ -41,7 +43,9 @@ class LocalCloudServer:
         self.url = ""
         self.http_url = ""
         self.proc: subprocess.Popen[str] | None = None
-        self._log: list[str] = []
+        self._log: collections.deque[str] = collections.deque(maxlen=LOG_LINES_KEPT)
+        self._n_lines = 0  # lines read since start, kept or not: a `log_mark` counts from the first
+        self._log_lock = threading.Lock()
 
     def start(self) -> "LocalCloudServer":
         cmd = [
@@ -70,7 +74,7 @@ class LocalCloudServer:
             line = self.proc.stdout.readline()
             if not line:
                 break
-            self._log.append(line.rstrip())
+            self._keep(line)
             if line.startswith(READY_LINE):
                 fields = dict(part.split("=", 1) for part in line.split()[1:])
                 self.url = fields["url"]
@@ -79,17 +83,38 @@ class LocalCloudServer:
                 threading.Thread(target=self._drain, daemon=True).start()
                 return self
         self.stop()
-        raise RuntimeError("local cloud server did not start:\n" + "\n".join(self._log[-20:]))
+        raise RuntimeError("local cloud server did not start:\n" + "\n".join(self.log[-20:]))
 
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
+            self._keep(line)
+
+    def _keep(self, line: str) -> None:
+        with self._log_lock:
             self._log.append(line.rstrip())
-            del self._log[:-200]
+            self._n_lines += 1
 
     @property
     def log(self) -> list[str]:
-        return list(self._log)
+        """The server's last `LOG_LINES_KEPT` lines (for a failure's message; to count lines, `log_since`)."""
+        with self._log_lock:
+            return list(self._log)
+
+    def log_mark(self) -> int:
+        """A mark for `log_since`: how many lines the server has written so far."""
+        return self._n_lines
+
+    def log_since(self, mark: int) -> list[str]:
+        """The lines written after `mark`, so that a caller reads only what happened since it looked,
+        whatever ran before it. RuntimeError if some of them were already dropped (more than
+        `LOG_LINES_KEPT` since the mark): counting what is left would undercount."""
+        with self._log_lock:
+            log, n = list(self._log), self._n_lines
+        new = n - mark
+        if new > len(log):
+            raise RuntimeError(f"{new} lines since the mark, only the last {len(log)} kept: take the mark later")
+        return log[len(log) - new :] if new else []
 
     def kill(self) -> None:
         """Abrupt death, as in a crash (SIGKILL)."""

@@ -42,11 +42,9 @@ utterance (p50/p95 over the turns not cut off), the WER and how often the drafte
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,7 +76,7 @@ from edge_client.voice.pipeline import Engines, VoiceGenerator, VoiceOptions  # 
 from edge_client.voice.tts import Synthesizer, TtsOptions  # noqa: E402
 from edge_client.voice.vad import VadOptions  # noqa: E402
 from edge_client.voice.wavfile import read_wav  # noqa: E402
-from shared.cpus import format_cpus, pin_to_cpus  # noqa: E402
+from shared.cpus import BusyCores, format_cpus, pin_to_cpus  # noqa: E402
 from shared.decision import CHECK_MODES  # noqa: E402
 
 DATA = Path("/work/shared/datasets/clinc150/data_full.json")
@@ -261,43 +259,6 @@ def add_machine_options(ap: argparse.ArgumentParser) -> None:
         "app's browser or other work does), for the whole run; the report says so (for the whole run, not a "
         "--compare flag)",
     )
-
-
-BUSY_LOOP = "while True:\n    pass\n"
-
-
-def start_busy(n: int) -> list[subprocess.Popen]:
-    """n processes that each keep a core busy (a Python loop); stopped by `stop_busy`, or at exit."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
-    atexit.register(stop_busy, procs)
-    for p in procs:
-        p.t0 = time.monotonic()  # type: ignore[attr-defined]
-    return procs
-
-
-def stop_busy(procs: list[subprocess.Popen]) -> list[dict]:
-    """Kill them; for each, whether it was still running and the share of a core it used (Linux)."""
-    out = []
-    for p in procs:
-        running = p.poll() is None
-        cpu_s = None
-        try:  # utime + stime, clock ticks (fields 14 and 15 of /proc/PID/stat)
-            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
-        if running:
-            p.kill()
-            p.wait()
-        wall = time.monotonic() - p.t0  # type: ignore[attr-defined]
-        out.append(
-            {
-                "ran_to_the_end": running,
-                "wall_s": round(wall, 1),
-                "core_share": None if cpu_s is None else round(cpu_s / wall, 2),
-            }
-        )
-    return out
 
 
 def voice_options(args: argparse.Namespace) -> VoiceOptions:
@@ -706,7 +667,7 @@ def run_queries(
     with open_generator(gen_opts) as gen:
         eng, synths, recognisers = config_engines(gen, configs)
         speaker = query_voice(args)
-        busy = start_busy(args.busy_cores)  # once the models are loaded: the turns run beside it
+        busy = BusyCores(args.busy_cores).start()  # once the models are loaded: the turns run beside it
         for i, (kind, q, text, pauses) in enumerate(items):
             wav = tmp / f"q{i}.wav"
             true_end = speak_query(speaker, text, pauses, wav)
@@ -725,7 +686,7 @@ def run_queries(
                 obj.update(wall_s=time.monotonic() - t, **against_the_query(obj, q, true_end, offline))
                 rows[name].append(obj)
                 print(row_line(i, name if len(configs) > 1 else "", kind, obj, args.reply_s), flush=True)
-        busy_report = stop_busy(busy)
+        busy_report = busy.stop()
     return rows, busy_report
 
 

@@ -78,7 +78,10 @@ _amx: bool | None = None
 
 
 def default_threads() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+    """llama.cpp's threads when none are asked for: the CPUs this process may run on (a process pinned to
+    one core, by `--cpus` or by the test runner's workers, would otherwise spin two threads on it), at most 4."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, usable or 1))
 
 
 class LlamaModel:

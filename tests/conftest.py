@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ if str(ROOT) not in sys.path:
 
 from cloud_server.local import LocalCloudServer  # noqa: E402
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info  # noqa: E402
+from shared.cpus import pin_to_cpus  # noqa: E402
 
 GEMMA = "gemma3-270m"
 SYSTEM = "You are a helpful voice assistant. Answer briefly, in one or two sentences."
@@ -97,6 +99,7 @@ SLOW_MODULES = {
     # cloud servers on loopback (started by the module's own fixtures or tests)
     "test_server_abuse",
     "test_exploration",
+    "test_failover",  # two replicas behind haproxy
     "test_cloud_server",
     "test_cpus",
     "test_replay_e2e",
@@ -112,10 +115,45 @@ SLOW_MODULES = {
 SERVER_FIXTURES = {"cloud_server", "same_model_server", "gemma_server", "openai_server", "llama_server"}
 
 
+# --------------------------------------------------------------------------- `make test`'s serial part
+
+SERIAL_MODULES = {
+    # real-time audio through real (virtual) devices, and the browser
+    "test_webapp_browser",
+    "test_voice_e2e",
+    # an honest device's time beside an attack against its time alone, or a timed window (drain, backoff,
+    # failover, a load test, an emulated link's measured delay)
+    "test_server_abuse",
+    "test_server_hostile",
+    "test_server_production",
+    "test_failover",
+    "test_server_loadtest",
+    "test_replay_netem",
+}
+"""Modules whose tests `make test` runs alone, after the parallel part (a single test elsewhere says so
+with `@pytest.mark.serial`): what they measure is wall time on an otherwise quiet machine, which a
+second worker on the same two cores would change."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`'s parallel part), pin each worker to a core of its own, when the
+    machine has one for each: two workers that each spin llama.cpp's two threads on both cores took
+    1.4x less time than one worker, not 2x. Pinned, a worker's models and the servers and commands it
+    starts (which inherit the mask) use that core's one thread (shared/llama_backend.default_threads)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if worker.startswith("gw") and 1 < workers <= len(cpus):
+        pin_to_cpus(str(cpus[int(worker[2:]) % len(cpus)]))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `slow` every test that needs a cloud server, a browser or an audio device, by its module
-    or its fixtures: `make check` (-m "not slow") runs the rest, the quick loop."""
+    or its fixtures: `make check` (-m "not slow") runs the rest, the quick loop. Mark `serial` every
+    test of SERIAL_MODULES: `make test` runs the others on several workers first, then these alone."""
     for item in items:
         module = item.path.stem
         if module in SLOW_MODULES or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if module in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)

@@ -17,6 +17,7 @@ import pytest
 from edge_client.replay.cli import main
 from edge_client.replay.metrics import SUMMARY_KEYS
 from edge_client.replay.policies import POLICY_KINDS
+from shared.cpus import online_cpus
 from shared.decision import TIE_NATS
 from shared.kernel_noise import KERNEL_NOISE_NATS
 from shared.prompting import DEFAULT_SYSTEM_PROMPT
@@ -178,11 +179,12 @@ def test_bad_input_is_refused_clearly(tmp_path, capsys):
     assert "--limit must be >= 1" in capsys.readouterr().err
     assert main(["--out", str(tmp_path), "--cloud-cpus", "first"]) == 2
     assert "'first' is not a CPU list" in capsys.readouterr().err
-    beyond = max(os.sched_getaffinity(0)) + 1
+    beyond = max(online_cpus()) + 1  # past the machine's CPUs (this worker may be pinned to one of them)
     assert main(["--out", str(tmp_path), "--device-cpus", str(beyond)]) == 2
     assert f"CPU {beyond} is not available to this process" in capsys.readouterr().err
 
 
+@pytest.mark.serial  # real-time pace
 def test_audio_mode_measures_end_of_speech_to_first_audio(tmp_path, capsys):
     """One CLINC150 query spoken with Piper (cached), through VAD, Whisper and TTS at real-time pace."""
     from edge_client.replay.audio import voice_unavailable

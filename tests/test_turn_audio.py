@@ -66,6 +66,36 @@ def test_espeak_speech_transcribes_back(synths, tx, voice):
     assert wer(text, heard) <= 0.34, heard
 
 
+def test_what_whisper_hears_does_not_depend_on_the_process_blas_threads(synths, tx):
+    """Issue 44: with numpy's BLAS on two threads (the library's default, before anything limits it) tiny.en
+    heard this phrase as "Center timer for 10 minutes.", on one thread (the voice pipeline's) right. The
+    log-mel products now run on one thread whatever the process-wide limit, which they leave as it was."""
+    from edge_client.voice.blas import blas_threads, limit_blas_threads, one_blas_thread
+
+    s = synths["espeak:en-gb-x-rp"]
+    audio = resample(s.synthesize("set a timer for ten minutes"), s.rate, RATE)
+    before = blas_threads()
+    heard = {}
+    try:
+        for n in (2, 1):
+            limit_blas_threads(n)
+            heard[n] = tx.recognize(audio, final=True)
+            assert blas_threads() == n
+            with one_blas_thread():
+                assert blas_threads() == 1
+            assert blas_threads() == n  # restored
+    finally:
+        limit_blas_threads(before)
+    assert heard[1] == heard[2], heard
+    assert wer("set a timer for ten minutes", heard[1].text) <= 0.2, heard
+
+
+def test_wer_reads_number_words_as_their_digits():
+    assert norm_words("Set a timer for ten minutes, twenty-one") == "set a timer for 10 minutes 20 1".split()
+    assert wer("set a timer for ten minutes", "Set a timer for 10 minutes.") == 0.0
+    assert wer("set a timer for ten minutes", "Center timer for 10 minutes.") == 2 / 6
+
+
 def test_espeak_stdout_parses_like_a_file(tmp_path):
     """The piped WAV's header has placeholder sizes; its samples must still be those of the file espeak-ng writes."""
     path = tmp_path / "e.wav"

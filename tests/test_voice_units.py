@@ -151,6 +151,7 @@ def test_playback_gaps_are_the_silences_a_late_piece_leaves():
     assert playback_gaps(puts, 0.0, rate, until=0.6) == (0, 0.0)
 
 
+@pytest.mark.serial  # a real-time sink's pacer, timed
 def test_playback_gaps_match_the_silence_a_real_time_sink_played():
     """The measure against FileSink's own pacer at real-time pace: a 0.2 s piece, the next queued 0.35 s
     later, left ~0.15 s in which the pacer found nothing to play."""

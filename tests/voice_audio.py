@@ -161,8 +161,19 @@ def spoken_wav(synth, text: str, path: Path, lead_s: float = 0.4, tail_s: float 
     return path
 
 
+_NUMBER_WORDS = {
+    w: str(i)
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+        "seventeen eighteen nineteen twenty".split()
+    )
+} | {w: str(10 * i) for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), start=3)}
+
+
 def words(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " ")).split()
+    """Lower-case words without punctuation, a number word as its digits: Whisper writes "ten" as "10",
+    and a person reading the transcript counts that as heard right."""
+    return [_NUMBER_WORDS.get(w, w) for w in re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " ")).split()]
 
 
 def wer(ref: str, hyp: str) -> float:

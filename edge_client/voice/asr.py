@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from .assets import whisper_model_dir
+from .blas import one_blas_thread
 from .worker import LatestJobWorker
 
 RATE = 16000
@@ -90,7 +91,8 @@ class Transcriber:
             return Recognition(self._whole(audio))
         if self.opts.lead_s > 0:
             audio = np.concatenate([np.zeros(int(self.opts.lead_s * RATE), np.float32), audio.astype(np.float32)])
-        feats = self.model.feature_extractor(audio)
+        with one_blas_thread():  # the same features whatever the process's BLAS threads (blas.py)
+            feats = self.model.feature_extractor(audio)
         n = feats.shape[-1]
         target = min(3000, int(np.ceil((n + self.opts.pad_s * 100) / 100.0) * 100))
         feats = np.pad(feats, ((0, 0), (0, max(0, target - n))))[:, :target]
@@ -121,7 +123,7 @@ class Transcriber:
 
     def _whole(self, audio: np.ndarray) -> str:
         """faster-whisper's own decode: 30 s context, temperature fallback on loops (the offline reference)."""
-        with self.lock:  # the segments are decoded while they are read
+        with self.lock, one_blas_thread():  # the segments are decoded while they are read
             segs, _ = self.model.transcribe(
                 audio,
                 language=self.opts.language,

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .assets import MissingModelError
+from .blas import one_blas_thread
 
 RATE = 16000
 SMART_TURN_PACKAGE = "pipecat-ai==1.14.0"
@@ -128,7 +129,8 @@ class SmartTurn:
         self(np.zeros(RATE, np.float32))  # warm-up: the first run initialises the kernels
 
     def __call__(self, audio: np.ndarray) -> float:
-        feats = log_mel_8s(last_8s(np.asarray(audio, np.float32)))[None]
+        with one_blas_thread():  # the same features whatever the process's BLAS threads (blas.py)
+            feats = log_mel_8s(last_8s(np.asarray(audio, np.float32)))[None]
         out = self._sess.run(None, {"input_features": feats})
         return float(np.asarray(out[0]).reshape(-1)[0])
 
