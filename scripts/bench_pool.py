@@ -263,6 +263,7 @@ def main() -> None:
         "speaks_as_user",
         "says_question_back",
         "recites_instructions",
+        "loops",
     ]
     print(f"{'config':18s}" + "".join(f"{c[:22]:>24s}" for c in cols) + "  pareto")
     for p in report["points"]:

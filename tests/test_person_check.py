@@ -5,8 +5,10 @@ point, from the answers they list."""
 from __future__ import annotations
 
 from models.train.person_check import (
+    carries_earlier_answer,
     continues_transcript,
     first_sentence,
+    loops,
     person_counts,
     recites_instructions,
     says_question_back,
@@ -75,12 +77,45 @@ def test_counts_over_pairs():
         ("q", "The capital of France is Paris."),
         ("what time is it", "What time is it?"),
         ("put a freeze on my account", "You are a helpful voice assistant. Answer briefly, in one or two sentences."),
+        ("what is tofu", LOOPING[0]),
     ]
     want = {
         "speaks_as_user": 1,
         "says_question_back": 1,
         "continues_transcript": 0,
         "recites_instructions": 1,
-        "answers_read": 4,
+        "loops": 1,
+        "answers_read": 5,
     }
     assert person_counts(pairs) == want
+
+
+LOOPING = [
+    "tofu is a great way tofu, it's a great way tofu, it's a great way tofu, it's a great way tofu",  # issue 45
+    "You are a helpful voice assistant. Answer briefly. You are a helpful voice assistant. Answer briefly.",
+    "A computer is a machine. It computes. A computer is a machine.",
+]
+NOT_LOOPING = [
+    "1. Add the flour. 2. Add the eggs. 3. Add the milk. 4. Stir.",  # a list's openings are two words
+    "The moon is about 384,400 km away, or about 238,900 miles.",
+    "Set a timer for ten minutes? Sure, a timer for ten minutes is set.",  # a run said twice, not three times
+    "",
+]
+
+
+def test_an_answer_that_loops_is_flagged_and_a_list_is_not():
+    assert [a for a in LOOPING if not loops(a)] == []
+    assert [a for a in NOT_LOOPING if loops(a)] == []
+
+
+def test_an_earlier_answers_words_in_an_unrelated_answer_are_flagged():
+    """Issue 45: after "how do I reset my wifi router", "set a timer for ten minutes" got "To set a timer for
+    10 minutes, you can use the internet to your router's settings ..."."""
+    router = "To reset your router, unplug it, wait ten seconds, and use the internet to your router's settings page."
+    carried = "To set a timer for 10 minutes, you can use the internet to your router's settings and set it."
+    assert carries_earlier_answer("set a timer for ten minutes", carried, [router])
+    assert not carries_earlier_answer("set a timer for ten minutes", "Sure, a ten minute timer is set.", [router])
+    # a run the question itself asks for is not carried: "... the capital of france" after its earlier answer
+    paris = "The capital of France is Paris, a city on the Seine."
+    assert not carries_earlier_answer("is the capital of france big", "The capital of France is big.", [paris])
+    assert not carries_earlier_answer("anything", carried, [])

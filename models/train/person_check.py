@@ -19,6 +19,12 @@ well, because it is a likely next line of a chat. Two checks a reader makes at a
   the likeliest text in the context. Read in the pool's test answers, where it was 10 of 40 at the
   top spend (docs/journal/router.md, 2026-12-07).
 
+- **loops**: the answer says the same run of words over and over ("tofu is a great way tofu, it's a
+  great way tofu …"), or a sentence of it again;
+- **carries an earlier answer**: in a conversation, the answer repeats a run of words of an earlier
+  answer that the question does not ask for ("set a timer for ten minutes" answered with the
+  router steps of the turn before).
+
 Rules of thumb, checked against answers read side by side (docs/router.md, "Read side by side"):
 a clarifying question without a first-person request ("Which router do you have?") is not
 flagged; a yes that restates the question ("you can keep rice in the fridge for 3 days") is
@@ -86,21 +92,66 @@ def recites_instructions(answer: str, instructions: str = DEFAULT_SYSTEM_PROMPT)
     return bool(first.strip()) and any(rouge_l_f1(first, s) >= REPEAT_F1 for s in said)
 
 
+LOOP_WORDS = 3  # a run of this many words ...
+LOOP_TIMES = 3  # ... said this many times is a loop
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+
+
+def loops(answer: str) -> bool:
+    """The answer repeats itself: a run of LOOP_WORDS words LOOP_TIMES times, or a sentence of at least
+    LOOP_WORDS words twice. A list's shared openings ("1. Add the flour. 2. Add the eggs.") are two
+    words, so they do not count."""
+    words = _words(answer)
+    runs: dict[tuple[str, ...], int] = {}
+    for i in range(len(words) - LOOP_WORDS + 1):
+        run = tuple(words[i : i + LOOP_WORDS])
+        runs[run] = runs.get(run, 0) + 1
+        if runs[run] >= LOOP_TIMES:
+            return True
+    sentences = [tuple(_words(x)) for x in _SENTENCE_END.split(answer)]
+    long = [x for x in sentences if len(x) >= LOOP_WORDS]
+    return len(set(long)) < len(long)
+
+
+CARRIED_WORDS = 5  # a run of this many words of an earlier answer, not in the question, is carried over
+
+
+def carries_earlier_answer(question: str, answer: str, earlier_answers: Iterable[str]) -> bool:
+    """The answer repeats a run of CARRIED_WORDS words of an earlier answer in the conversation, other than
+    a run of the question's own words. For an unrelated question (a follow-up may rightly say the earlier
+    answer's words again: the conversation set says which questions are unrelated)."""
+    asked = set(_words(question))
+    words = _words(answer)
+    mine = {tuple(words[i : i + CARRIED_WORDS]) for i in range(len(words) - CARRIED_WORDS + 1)}
+    for earlier in earlier_answers:
+        said = _words(earlier)
+        for i in range(len(said) - CARRIED_WORDS + 1):
+            run = tuple(said[i : i + CARRIED_WORDS])
+            if run in mine and not set(run) <= asked:
+                return True
+    return False
+
+
 def person_counts(pairs: Iterable[tuple[str, str]], instructions: str = DEFAULT_SYSTEM_PROMPT) -> dict[str, int]:
     """Over (question, answer) pairs: how many answers speak as the user, say the question back,
-    continue the transcript or recite the system prompt (`instructions`), and how many were read;
+    continue the transcript, recite the system prompt (`instructions`) or loop, and how many were read;
     the evals add these to each point."""
-    n = user = back = more = recited = 0
+    n = user = back = more = recited = looped = 0
     for question, answer in pairs:
         n += 1
         user += speaks_as_user(answer)
         back += says_question_back(question, answer)
         more += continues_transcript(answer)
         recited += recites_instructions(answer, instructions)
+        looped += loops(answer)
     return {
         "speaks_as_user": user,
         "says_question_back": back,
         "continues_transcript": more,
         "recites_instructions": recited,
+        "loops": looped,
         "answers_read": n,
     }
