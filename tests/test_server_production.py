@@ -32,7 +32,7 @@ from shared.protocol import (
     encode,
 )
 from tests.conftest import chat
-from tests.helpers import get, hello, make_generator, sessions, wait_for
+from tests.helpers import get, hello, make_generator, metric, sessions, wait_for
 
 ALICE, BOB = "alice-secret-key", "bob-secret-key"
 
@@ -135,7 +135,16 @@ def test_tokens_per_minute_quota_names_the_wait(prod_server, cloud_info):
     assert wait_for(lambda: sessions(prod_server) == 0)
 
 
+def audit_index(audit_dir: Path) -> list[dict]:
+    return [json.loads(line) for f in audit_dir.glob("*/index.jsonl") for line in f.read_text().splitlines()]
+
+
 def test_abuse_check_throttles_and_flags_a_session_and_its_audit_log_is_kept(prod_server, cloud_info, audit_dir):
+    """The module's server and audit dir are shared: the test counts its own flag and reads its own entry (the
+    entries and flags there before it are left out), whatever ran before it."""
+    assert wait_for(lambda: sessions(prod_server) == 0)
+    flags0 = metric(prod_server, "tokenrouter_abuse_flags_total ")
+    entries0 = len(audit_index(audit_dir))
     c = Client(prod_server)
     acc = c.open(BOB, cloud_info, "tell me about the moon")
     pos, rid, refused, written = acc.n_prompt, 0, None, []
@@ -161,12 +170,11 @@ def test_abuse_check_throttles_and_flags_a_session_and_its_audit_log_is_kept(pro
     c.send(Close())
     c.close()
     assert wait_for(lambda: sessions(prod_server) == 0)
-    metrics = get(prod_server.http_url + "/metrics")
-    assert "tokenrouter_abuse_flags_total 1.0" in metrics or "tokenrouter_abuse_flags_total 2.0" in metrics
-    index = [json.loads(line) for f in audit_dir.glob("*/index.jsonl") for line in f.read_text().splitlines()]
-    flagged = [e for e in index if e["key"] == "bob" and e["flagged"]]
-    assert flagged, index
-    entry = flagged[-1]
+    assert metric(prod_server, "tokenrouter_abuse_flags_total ") - flags0 == 1  # once per session
+    # written after the connection closed; an earlier test's last entry may still land after `entries0`
+    mine = wait_for(lambda: [e for e in audit_index(audit_dir)[entries0:] if e["key"] == "bob" and e["flagged"]], 5)
+    assert len(mine) == 1, audit_index(audit_dir)[entries0:]
+    entry = mine[0]
     logged = list(
         routing_log.read(
             (audit_dir / next(audit_dir.glob("*/" + entry["file"])).parent.name / entry["file"]).read_bytes()
