@@ -107,7 +107,8 @@ class Answer:
     # size (shared/gpu_cost.py); `traffic.work` is their sum
     tier_work: list[Work] = field(default_factory=list)
     lost_tiers: list[int] = field(default_factory=list)  # tiers above the cloud lost in this answer (went down)
-    cloud_timeouts: int = 0  # hard positions the device wrote because the cloud was slow
+    cloud_timeouts: int = 0  # cloud replies that did not come within --cloud-timeout (then the device writes the
+    # position, or with policy cloud the stream is asked to go on; three in a row give the cloud up)
     lookahead_positions: list[int] = field(default_factory=list)  # answer indices the cloud's lookahead guess decided
     explored_positions: list[int] = field(default_factory=list)  # answer indices asked by exploration (--explore)
     explore_declined: int = 0  # of those, the ones the cloud declined (its key's exploration budget)

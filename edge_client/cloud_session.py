@@ -74,7 +74,7 @@ class CloudSession:
         self.max_consecutive_timeouts = max_consecutive_timeouts  # then the cloud is lost for this answer
         self.link: CloudLink | None = None
         self.last_error = ""
-        self.timeouts = 0  # hard tokens the device wrote because the cloud was slow
+        self.timeouts = 0  # cloud replies that did not come in time (Answer.cloud_timeouts)
         self.explore_declined = 0  # exploration requests the cloud declined (its key's budget was spent)
         # Failovers per answer when the cloud is lost mid-answer (0: finish on the device): a new session,
         # on whichever replica the URL reaches, is rebuilt from the device's history, and the request that
@@ -276,7 +276,7 @@ class CloudSession:
                 self.timeouts += 1
                 if link.consecutive_timeouts >= self.max_consecutive_timeouts:  # the next answer reconnects
                     self.retire()
-                    self.last_error = str(exc)
+                    self.last_error = f"{exc}, {link.consecutive_timeouts} times in a row"
                 return None
             except CloudDeclined:
                 self.explore_declined += 1

@@ -113,11 +113,15 @@ class ClauseCheck:
 
 class CloudStream:
     """Policy `cloud`: the cloud writes the rest of the answer, streamed. The device decodes
-    none of it unless the stream breaks off and it has to take over."""
+    none of it unless the cloud is lost and it has to take over.
+
+    A stream that broke off on one slow reply (past --cloud-timeout) is not a lost cloud: the
+    link stays and the next round asks it to go on from what the device holds. Only a lost link
+    (gone, or given up after timeouts in a row) hands the rest to the device, and only the device
+    writing makes the answer degraded (the generator marks it then, with the link's reason)."""
 
     def run(self, turn: Turn) -> None:
-        if not history_of(turn.cloud).stream(turn, turn.cloud):
-            turn.answer.degraded = True
+        history_of(turn.cloud).stream(turn, turn.cloud)
 
 
 class DeviceOnly:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import urllib.request
 
@@ -180,5 +181,52 @@ def test_server_killed_mid_answer_device_finishes_and_reconnects(edge_info):
         assert not b.degraded and b.n_cloud_tokens == b.n_tokens
     finally:
         gen.close()
+        server.stop()
+        edge.close()
+
+
+@pytest.mark.serial  # a stall timed against the cloud timeout
+def test_a_cloud_that_stalls_once_but_writes_every_token_is_not_degraded(edge_info):
+    """Issue 45: cloud-alone answers were labelled degraded ("the cloud was lost") although the cloud wrote
+    every token: one reply slower than --cloud-timeout broke the stream off, and the label stuck though the
+    cloud was asked again and went on. The server is stopped (SIGSTOP) for 0.7 s after the fourth token,
+    with a 0.4 s timeout: the answer is the cloud's, counted as one timeout or more, and not degraded.
+    Stopped for good instead, the cloud is given up after three timeouts in a row: degraded, and the
+    reason names the timeout."""
+    edge = LlamaModel(edge_info)
+    server = LocalCloudServer(model=DEFAULT_CLOUD_MODEL).start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    stalled = threading.Event()
+
+    def stall_after_four(resume_after_s: float | None):
+        def on_token(ev) -> None:
+            if ev.index == 3 and not stalled.is_set():
+                stalled.set()
+                os.kill(pid, signal.SIGSTOP)
+                if resume_after_s is not None:
+                    threading.Timer(resume_after_s, os.kill, (pid, signal.SIGCONT)).start()
+
+        return on_token
+
+    question = chat("tell me about the moon")
+    try:
+        gen = make_generator(edge, server, mode="cloud", timeout_s=0.4)
+        try:
+            a = gen.generate(question, max_tokens=24, on_token=stall_after_four(0.7))
+            assert stalled.is_set() and a.cloud_timeouts >= 1, a.to_json()
+            assert a.n_cloud_tokens == a.n_tokens > 4 and not a.degraded and a.degraded_reason == "", a.to_json()
+        finally:
+            gen.close()
+        stalled.clear()
+        gen = make_generator(edge, server, mode="cloud", timeout_s=0.4)
+        try:
+            b = gen.generate(question, max_tokens=24, on_token=stall_after_four(None))
+            assert b.degraded and "edge" in b.routes and b.cloud_timeouts == 3, b.to_json()
+            assert b.degraded_reason == "no answer from the cloud within 0.4 s, 3 times in a row", b.degraded_reason
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            gen.close()
+    finally:
         server.stop()
         edge.close()
