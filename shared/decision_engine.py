@@ -68,7 +68,11 @@ class EscalateEngine:
     """Built in, for a pool of tiers: the policy decides hard or easy (as `router`); a hard position
     scoring at least `above` goes to the top tier, the other hard ones to the first cloud tier.
     With `top_share` instead, `above` is calibrated online (as the policy calibrates its threshold
-    to a cloud share) so that this share of the hard positions goes to the top tier."""
+    to a cloud share) so that this share of the hard positions goes to the top tier. Where the
+    policy targets a cloud share with the router's known score distribution, the calibration
+    starts from it: the hard positions are the top `cloud_fraction` of scores, so their top
+    `top_share` is the top `cloud_fraction * top_share` of all (a first answer's few hard
+    positions once never moved the threshold off its start, and the top tier was never asked)."""
 
     name = "escalate"
 
@@ -76,7 +80,12 @@ class EscalateEngine:
         self.policy = policy
         self.above = above
         self.top = top
-        self.calibrator = ScoreCalibrator(top_share, initial_threshold=above) if top_share is not None else None
+        self.calibrator = None
+        if top_share is not None:
+            prior, share = policy.prior, policy.config.cloud_fraction
+            hard_prior = None if prior is None or not share else (lambda f: prior(share * f))
+            self.calibrator = ScoreCalibrator(top_share, initial_threshold=above, prior=hard_prior)
+            self.above = self.calibrator.threshold
 
     def start_answer(self) -> None:
         pass

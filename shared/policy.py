@@ -98,6 +98,7 @@ class RoutingPolicy:
         if config.hysteresis < 0 or config.warmup < 0:
             raise ValueError("warm-up and hysteresis must be >= 0")
         self.config = config
+        self.prior = prior
         self.mode = "edge" if config.device_alone else config.mode
         self.calibrator: ScoreCalibrator | None = None
         if self.mode == "router" and config.cloud_fraction is not None:

@@ -68,6 +68,36 @@ def test_escalate_calibrates_the_top_tiers_share_online():
         assert set(tiers) == {1, 2}
 
 
+def test_top_share_sends_its_share_from_the_first_answer():
+    """Issue 45: `escalate:top_share=0.3` in one `ask` sent nothing to the top tier: its calibration
+    started at above=0.8 and an answer's few hard positions never moved it. With the policy's target
+    share and the router's score distribution (here: uniform scores, so the top f of them score above
+    1 - f), it starts calibrated: the hard positions are the top 30 %, their top 30 % the top 9 %."""
+    uniform = lambda f: 1.0 - f  # noqa: E731  (Router.threshold_for of a router whose scores are uniform)
+    policy = RoutingPolicy(PolicyConfig("router", threshold=None, cloud_fraction=0.3), prior=uniform)
+    engine = build_engine("escalate:top_share=0.3", EngineSetup(policy, {}, tiers=3))
+    assert engine.above == pytest.approx(0.91, abs=0.01)
+    scores = np.random.default_rng(1).uniform(0.0, 1.0, 400)  # a few answers' worth, not a calibration's
+    tiers = [engine.decide(Position(index=i, score=float(s))) for i, s in enumerate(scores)]
+    hard = [t for t in tiers if t > 0]
+    assert 0.2 < hard.count(2) / len(hard) < 0.4, (hard.count(2), len(hard))
+    assert 0.2 < len(hard) / len(tiers) < 0.4
+
+
+@pytest.mark.slow
+def test_a_tier_named_by_its_url_is_asked(cloud_server):
+    """`--tier ws://HOST:PORT/v1/route` with the cloud's `--api-key`: a running server as the top tier
+    (here the loopback cloud's own), and the positions the engine sends up are written there."""
+    before = metric(cloud_server, "tokenrouter_hard_tokens_total")
+    flags = ["--tier", cloud_server.url, "--api-key", cloud_server.api_key, "--decision-engine", "escalate:above=0"]
+    p = ask_cli("explain how vaccines work", *flags, "--threshold", "0", "--max-tokens", "16")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    up = out["tiers"].count(2)
+    assert up > 0 and len(out["tiers"]) == out["n_tokens"] and not out["degraded"], out
+    assert metric(cloud_server, "tokenrouter_hard_tokens_total") - before >= up
+
+
 def test_three_tiers_share_one_answer(edge_model, cloud_server, gemma_server):
     """Every position hard (threshold 0); the escalate engine sends those scoring at least 0.15 to
     Gemma (tier 2, text mode) and the rest to the cloud (tier 1, tokens). Both servers write; each
