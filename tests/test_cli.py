@@ -19,6 +19,7 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # a loopback cloud server (`ask` starts one)
 def test_ask_json_with_a_local_cloud(tmp_path):
     log_path = tmp_path / "routes.jsonl"
     p = run(
@@ -70,6 +71,7 @@ def test_ask_json_with_a_local_cloud(tmp_path):
     assert [r["writer"] for r in rows] == out["routes"]
 
 
+@pytest.mark.slow  # a loopback cloud server (`ask` starts one)
 def test_ask_with_the_clouds_check():
     """`--check`: one verify per clause instead of a round trip per hard token, no lookahead;
     every overruled position is a cloud token the router had not flagged."""
@@ -99,6 +101,7 @@ def test_ask_with_the_clouds_check():
     assert bad.returncode != 0 and "--check-nats" in bad.stderr
 
 
+@pytest.mark.slow  # a loopback cloud server (`ask` starts one)
 def test_a_cloud_share_of_zero_sends_nothing_up():
     """`--cloud-fraction 0` with every other default (the check, lookahead, a local cloud): the device answers
     alone: no round trip, no byte, no cloud token, not degraded (no server was needed, none was started)."""
@@ -109,6 +112,7 @@ def test_a_cloud_share_of_zero_sends_nothing_up():
     assert not out["degraded"] and out["n_tokens"] > 0 and out["policy"] == "edge"
 
 
+@pytest.mark.slow  # a loopback cloud server (`ask` starts one)
 def test_human_output_marks_cloud_tokens():
     p = run("ask", "what is the capital of france", "--max-tokens", "12", "--threshold", "0.0")
     assert p.returncode == 0, p.stderr

@@ -344,6 +344,7 @@ def test_a_text_tiers_rewrite_rolls_the_token_cloud_back(edge_model, cloud_serve
         gen.close()
 
 
+@pytest.mark.slow  # two loopback cloud servers
 def test_the_app_runs_a_pool(tmp_path):
     """`tokenrouter-edge app --tier local:smollm2-135m-q4_1 --decision-engine escalate:above=0`: the app
     starts the tier's loopback server with its own cloud, its generator sends the hard positions up to
