@@ -61,7 +61,7 @@ test-noise: setup
 	done
 
 # The suite three times (twice on a quiet machine, once beside a core kept busy): every test whose
-# result changed, under build/flakes/ (~45 minutes on 2 cores).
+# result changed, under build/flakes/ (~75 minutes on 2 cores).
 flakes: setup
 	$(PY) scripts/find_flakes.py
 
