@@ -123,15 +123,16 @@ class Transcriber:
 
     def _whole(self, audio: np.ndarray) -> str:
         """faster-whisper's own decode: 30 s context, temperature fallback on loops (the offline reference)."""
-        with self.lock, one_blas_thread():  # the segments are decoded while they are read
-            segs, _ = self.model.transcribe(
-                audio,
-                language=self.opts.language,
-                beam_size=self.opts.beam_size,
-                without_timestamps=True,
-                condition_on_previous_text=False,
-                vad_filter=False,
-            )
+        with self.lock:  # the segments are decoded while they are read
+            with one_blas_thread():  # only the features (computed before transcribe returns), not the decode
+                segs, _ = self.model.transcribe(
+                    audio,
+                    language=self.opts.language,
+                    beam_size=self.opts.beam_size,
+                    without_timestamps=True,
+                    condition_on_previous_text=False,
+                    vad_filter=False,
+                )
             return " ".join(s.text.strip() for s in segs).strip()
 
     def _kept(self, ids: list[int], text: str) -> list[int]:
