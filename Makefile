@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.tokenrouter-installed
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # The suite's parallel part runs on JOBS pytest-xdist workers, each pinned to a core of its own
 # (tests/conftest.py), a module to a worker (its servers start once); the tests marked `serial`
-# (real-time audio, the browser, timed windows) run after it, alone.
-JOBS   ?= 2
+# (real-time audio, the browser, timed windows) run after it, alone. One worker per CPU this make may use.
+JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST  := -n $(JOBS) --dist loadscope
 JUNIT  ?= build/junit
 # What `make test` runs once more under kernel noise (shared/kernel_noise.py); test-noise takes three.

@@ -266,7 +266,7 @@ def test_piper_threads_sleep_between_operators_unless_asked_to_spin():
     default session lets them sleep; spin_wait restores onnxruntime's default. Both speak the same audio."""
     from edge_client.voice.tts import Synthesizer, TtsOptions
 
-    quiet = TtsOptions(noise_scale=0.0, noise_w_scale=0.0)
+    quiet = TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False)  # the openers are not its subject
     sleeping, spinning = Synthesizer(quiet), Synthesizer(dataclasses.replace(quiet, spin_wait=True))
     key = "session.intra_op.allow_spinning"
     assert sleeping.voice.session.get_session_options().get_session_config_entry(key) == "0"
@@ -653,7 +653,7 @@ def test_smart_turn_hears_a_finished_question_and_a_hesitation():
 
     from edge_client.voice.endofturn import SmartTurn
 
-    s, st = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0)), SmartTurn()
+    s, st = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False)), SmartTurn()
     z = np.zeros(int(0.064 * 16000), np.float32)
 
     def upto_pause(text: str, i: int) -> np.ndarray:  # the audio up to the (long) pause at comma i
@@ -741,7 +741,7 @@ def test_whisper_is_unsure_of_a_function_word_misheard_at_a_hesitation():
     from edge_client.voice.asr import AsrOptions, Transcriber
     from edge_client.voice.endofturn import TurnOptions, unfinished_text
 
-    tx, s = Transcriber(), Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+    tx, s = Transcriber(), Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False))
     z = np.zeros(6400, np.float32)
     below = TurnOptions().unsure_word_prob
     fooled_the_old_cue = []
@@ -765,7 +765,7 @@ def test_a_beam_search_final_decode_says_its_last_word_probability_is_unknown():
     kept and its last word's probability is None (unknown to the end-of-turn judge), not an IndexError."""
     from edge_client.voice.asr import AsrOptions, Transcriber
 
-    s = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+    s = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, warm_openers=False))
     a = np.concatenate(
         [np.zeros(6400, np.float32), 0.8 * resample(s.synthesize("Set a timer for ten minutes."), s.rate, 16000)]
     )
@@ -982,7 +982,7 @@ def test_the_demo_question_is_heard_right_by_the_streaming_final_decode():
     tx = Transcriber()
     z = np.zeros(8000, np.float32)  # 0.5 s either side, as scripts/make_demo_audio.py
     for speed in (0.95, 1.0, 1.05):
-        s = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, length_scale=speed))
+        s = Synthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0, length_scale=speed, warm_openers=False))
         audio = np.concatenate(
             [z, 0.8 * resample(s.synthesize("What is the capital city of France?"), s.rate, 16000), z]
         )

@@ -442,13 +442,18 @@ def routed_turn(sim: Simulator, trace: TurnTrace, rng: random.Random) -> Generat
     releases: list[float] = [0.0] * n
     held: list[int] = []
     jitter = sim.opts.device_jitter
+    owed = 0.0  # device time of tokens already released, slept at the next yield (one event, not one a token)
     for i in range(n):
-        for _ in range(bg_at.get(i, 0)):
-            yield Ask(per_bg, background=True)
+        if bg_at.get(i, 0):
+            if owed:
+                yield Sleep(owed)
+                owed = 0.0
+            for _ in range(bg_at[i]):
+                yield Ask(per_bg, background=True)
         pending_device += per_pos
         if i in asks:
-            yield Sleep(pending_device * (rng.uniform(1 - jitter, 1 + jitter) if jitter else 1.0))
-            pending_device = 0.0
+            yield Sleep(owed + pending_device * (rng.uniform(1 - jitter, 1 + jitter) if jitter else 1.0))
+            owed = pending_device = 0.0
             t_send = sim.now
             t_reply = yield Ask(per_ask)
             if sim.measuring(t_send):
@@ -459,11 +464,11 @@ def routed_turn(sim: Simulator, trace: TurnTrace, rng: random.Random) -> Generat
         elif trace.holds_from is not None and i >= trace.holds_from:
             held.append(i)
         else:
-            yield Sleep(pending_device)
+            owed += pending_device
             pending_device = 0.0
-            releases[i] = sim.now
-    if pending_device or held:
-        yield Sleep(pending_device)
+            releases[i] = sim.now + owed
+    if owed or pending_device or held:
+        yield Sleep(owed + pending_device)
         for j in held:
             releases[j] = sim.now
     return releases
