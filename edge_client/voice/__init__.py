@@ -8,7 +8,7 @@ Modules, one responsibility each:
   endofturn   end of turn: Smart Turn v3.2, the transcript cue, the adaptive wait
   asr         streaming recognizer (short-context Whisper + local agreement)
   tts         Piper synthesiser and the clause chunker
-  dialogue    bounded conversation history
+  dialogue    bounded conversation history, and which of it a prompt carries (the memory policy)
   timings     per-turn stage timestamps
   events      typed events the pipeline emits (an interruption is an event)
   options     the pipeline's options; engines: the models it drives, loaded once

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .dialogue import DialogueOptions
+from .dialogue import MEMORY_MODES, DialogueOptions
 from .endofturn import TurnOptions
 from .pipeline import VoiceOptions
 from .tts import TtsOptions
@@ -160,6 +160,14 @@ def _add_reply_options(g: argparse._ArgumentGroup) -> None:
         "ahead of it (0: only for the first piece; default %(default)s)",
     )
     g.add_argument("--max-history-tokens", type=int, default=DLG.max_history_tokens)
+    g.add_argument(
+        "--memory",
+        choices=MEMORY_MODES,
+        default=DLG.memory,
+        help="which earlier exchanges an answer's prompt carries: follow-ups: a follow-up (and on Sunday? how long "
+        "does it take?) gets the exchanges it follows, any other request none, so the small model does not copy "
+        "the last answer's words; all: the whole history; none: no history (default %(default)s)",
+    )
     g.add_argument("--voice-max-tokens", type=int, default=V.max_tokens, help="token cap of a spoken answer")
 
 
@@ -178,6 +186,7 @@ def voice_options_from_args(args: argparse.Namespace) -> VoiceOptions:
         dialogue=DialogueOptions(
             system_prompt=DLG.system_prompt if args.system_prompt is None else args.system_prompt,
             max_history_tokens=args.max_history_tokens,
+            memory=args.memory,
         ),
         max_tokens=args.voice_max_tokens,
         full_duplex=getattr(args, "full_duplex", False),
