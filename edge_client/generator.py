@@ -45,7 +45,7 @@ from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVe
 from edge_client.turn import Turn
 from edge_client.writer import AnswerWriter
 from models.registry import model_info
-from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RuleOptions
+from shared.decision import AnswerRule, ClauseEnds, NumberWatch, OverruledShare, RuleOptions
 from shared.decision_engine import DecisionEngine, EngineSetup, build_engine
 from shared.learned_router import load_router
 from shared.llama_backend import LlamaModel
@@ -111,7 +111,7 @@ class RoutedGenerator:
         )
         self.engine = self._engine(opts, self.policy)  # for this pool's tiers (above)
         self.exploration = opts.exploration()  # kept across answers: its budget is per minute
-        self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog))
+        self.rule = AnswerRule(opts.rule(), ClauseEnds(edge.token_bytes, edge.is_eog), NumberWatch(edge.token_bytes))
         self.overruled = OverruledShare()  # running share of tokens the check overruled (the router targets the rest)
         self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
         self.message_end = MessageEnd(edge)
@@ -142,7 +142,7 @@ class RoutedGenerator:
             for session in (self.cloud, *self.tiers):
                 session.reconnects, session.reconnect_wait_s = opts.reconnects, opts.reconnect_wait_s
                 session.allow_base_model = opts.allow_base_model
-            self.rule = AnswerRule(opts.rule(), self.rule.clause_ends)
+            self.rule = AnswerRule(opts.rule(), self.rule.clause_ends, self.rule.numbers)
             self._per_token = PER_TOKEN_STRATEGIES[opts.strategy]
 
     def reconnect_next(self) -> None:
@@ -300,7 +300,7 @@ class RoutedGenerator:
         caps = cloud.capabilities if use_cloud else None
         rule_options, strategy = negotiated(self.opts.rule(), self.opts.strategy, caps)
         if rule_options != self.rule.options:  # this server cannot do all that was asked (or now can again)
-            self.rule = AnswerRule(rule_options, self.rule.clause_ends)
+            self.rule = AnswerRule(rule_options, self.rule.clause_ends, self.rule.numbers)
         self._per_token = PER_TOKEN_STRATEGIES[strategy]
         answer = Answer(
             policy=self.policy.name,

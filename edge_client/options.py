@@ -89,6 +89,7 @@ class GeneratorOptions:
     # once and the check covers the rest while it is spoken (docs/voice.md: no first-audio cost).
     check: str = DEFAULT_CHECK
     check_nats: float = 1.0
+    whole_numbers: bool = True  # a number is the cloud's, digit after digit (shared/decision.py, "Numbers")
     check_max_draft: int = CHECK_MAX_DRAFT  # longest draft before a verify when no clause ends
     strategy: str = "per-token"  # STRATEGIES: how the per-token phase asks the cloud
     # Text mode (protocol v3, docs/protocol.md): share the answer as text with a cloud whose model
@@ -105,7 +106,11 @@ class GeneratorOptions:
     def rule(self) -> RuleOptions:
         """The per-position rule's options (validated there)."""
         return RuleOptions(
-            lookahead=self.lookahead, lookahead_nats=self.lookahead_nats, check=self.check, check_nats=self.check_nats
+            lookahead=self.lookahead,
+            lookahead_nats=self.lookahead_nats,
+            check=self.check,
+            check_nats=self.check_nats,
+            whole_numbers=self.whole_numbers,
         )
 
     def policy_config(self) -> PolicyConfig:

@@ -185,6 +185,12 @@ def _add_cloud_help_options(p: argparse.ArgumentParser) -> None:
         "'all'; 'off': router and lookahead only",
     )
     p.add_argument(
+        "--split-numbers",
+        action="store_true",
+        help="let the device and the cloud write digits of one number (default: a number is the cloud's, "
+        "digit after digit: spliced, '140,000,000' came out '140,760,000')",
+    )
+    p.add_argument(
         "--check-nats",
         type=float,
         default=D.check_nats,
@@ -233,6 +239,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         lookahead_nats=args.lookahead_nats,
         check=args.check,
         check_nats=args.check_nats,
+        whole_numbers=not args.split_numbers,
         text_mode=args.text_mode,
         system_prompt=D.system_prompt if args.system_prompt is None else args.system_prompt,
     )

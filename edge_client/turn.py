@@ -95,7 +95,8 @@ class Turn:
         if self.tier_routers:
             self._score_tiers(score, hidden, logits, proposed)
         self.position.in_first_clause = self._in_first_clause()
-        self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers)
+        number = self.rule.in_number(self.decoder.history, self.prompt_len, proposed)
+        self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers, number)
         if self.forecast is not None:
             self.forecast.observe(self.position, self.tier)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)

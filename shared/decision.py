@@ -22,6 +22,14 @@ At each position of an answer the device has proposed a token. Then, in order:
    cloud writes its choice (`cloud_choice`). Otherwise the device's token
    stands.
 
+**Numbers.** A number is written by one model: a position where the device
+proposes a digit, or right after a digit (or after a "," or "." that follows
+one), is the cloud's (`NumberWatch`; `whole_numbers`, on by default). Asked
+digit by digit, "140,000,000 miles" came out "140,760,000": each model alone
+writes a whole number, spliced they write neither. The decision engine is
+overruled towards the cloud only (shared/decision_engine.py, `engine_tier`);
+in the check phase such a draft is judged exactly, as a flagged one.
+
 **Ties.** llama.cpp's batched and one-token kernels are not bitwise equal, so
 two runs of one model disagree at near-ties depending on how their histories
 were batched. A proposed or drafted token within `TIE_NATS` of the cloud's
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -81,6 +89,7 @@ class RuleOptions:
     check: str = "after-first-clause"
     check_nats: float = 1.0
     tie_nats: float = TIE_NATS
+    whole_numbers: bool = True  # a number's digits are the cloud's (module docstring, "Numbers")
 
     def __post_init__(self) -> None:
         if self.check not in CHECK_MODES:
@@ -155,6 +164,33 @@ class ClauseEnds:
         return hit
 
 
+class NumberWatch:
+    """Whether a position writes part of a number (module docstring, "Numbers"). Which tokens hold a
+    digit and which join a number's parts is cached per token: asked once per position."""
+
+    JOINERS = (",", ".")
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._kinds: dict[int, int] = {}  # token -> 0 neither, 1 holds a digit, 2 a joiner
+
+    def _kind(self, token: int) -> int:
+        kind = self._kinds.get(token)
+        if kind is None:
+            text = self._token_bytes(token).decode("utf-8", errors="ignore") if token >= 0 else ""
+            kind = 1 if any(c.isdigit() for c in text) else 2 if text.strip() in self.JOINERS and text else 0
+            self._kinds[token] = kind
+        return kind
+
+    def at(self, history: Sequence[int], start: int, proposed: int) -> bool:
+        """The position after `history` (the answer begins at `start`) writes part of a number."""
+        n = len(history) - start
+        last = self._kind(history[-1]) if n >= 1 else 0
+        if self._kind(proposed) == 1 or last == 1:
+            return True
+        return last == 2 and n >= 2 and self._kind(history[-2]) == 1
+
+
 class AnswerRule:
     """The rule's state over one answer: is a guess due, is the check on.
 
@@ -163,10 +199,17 @@ class AnswerRule:
     act on the step, and report the written token with `written`.
     """
 
-    def __init__(self, options: RuleOptions, clause_ends: Callable[[int], bool]) -> None:
+    def __init__(
+        self, options: RuleOptions, clause_ends: Callable[[int], bool], numbers: NumberWatch | None = None
+    ) -> None:
         self.options = options
         self.clause_ends = clause_ends
+        self.numbers = numbers  # None: no number rule (a caller that cannot read tokens' text)
         self.start_answer()
+
+    def in_number(self, history: Sequence[int], start: int, proposed: int) -> bool:
+        """This position writes part of a number and the rule gives numbers to the cloud ("Numbers")."""
+        return self.options.whole_numbers and self.numbers is not None and self.numbers.at(history, start, proposed)
 
     def start_answer(self) -> None:
         self.checking = self.options.check == "all"
@@ -177,12 +220,14 @@ class AnswerRule:
         """Whether the router scores this position: always while checking, else unless a guess decides."""
         return self.checking or guess is None
 
-    def step(self, flagged: bool | None, guess: GuessJudge | None, proposed: int) -> Step:
-        """What happens at this position (the module docstring's order)."""
+    def step(self, flagged: bool | None, guess: GuessJudge | None, proposed: int, in_number: bool = False) -> Step:
+        """What happens at this position (the module docstring's order). A guess judges a token
+        `in_number` exactly (within a tie), as the cloud judges a flagged one ("Numbers")."""
         if self.checking:
             return Step.DRAFT
         if guess is not None:
-            return Step.GUESS_TAKE if take_guess(guess, proposed, self.options.lookahead_nats) else Step.GUESS_KEEP
+            nats = self.options.tie_nats if in_number else self.options.lookahead_nats
+            return Step.GUESS_TAKE if take_guess(guess, proposed, nats) else Step.GUESS_KEEP
         return Step.ASK if flagged else Step.KEEP
 
     def written(self, token: int, cloud_answered: bool = False) -> None:

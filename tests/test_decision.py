@@ -154,3 +154,54 @@ def test_overruled_share_decays():
     first = share.add(1, True)
     assert 0 < first < 0.01
     assert share.add(500, False) < first / 5
+
+
+def test_a_number_is_watched_from_its_first_digit_to_the_token_after_it():
+    """NumberWatch: the device proposing a digit, the token after a digit, and the token after a "," or
+    "." that follows a digit are part of a number; a comma after a word, or the answer's start, is not."""
+    from shared.decision import NumberWatch
+
+    text = {0: b"The", 1: b" day", 2: b" is", 3: b" ", 4: b"2", 5: b"4", 6: b",", 7: b"0", 8: b" hours", 9: b"."}
+    watch = NumberWatch(lambda t: text[t])
+    assert not watch.at([], 0, 0) and not watch.at([0, 1, 2], 0, 3)
+    assert watch.at([0, 1, 2, 3], 0, 4)  # proposes a digit
+    assert watch.at([0, 1, 2, 3, 4], 0, 8)  # after a digit, whatever comes
+    assert watch.at([0, 1, 2, 3, 4, 5, 6], 0, 8)  # after "," that follows a digit
+    assert not watch.at([0, 1, 6], 0, 2)  # a comma after a word
+    assert not watch.at([4, 5, 0], 3, 1)  # the digits before `start` are the prompt's
+    rule_on = AnswerRule(RuleOptions(check="off"), lambda t: False, watch)
+    rule_off = AnswerRule(RuleOptions(check="off", whole_numbers=False), lambda t: False, watch)
+    assert rule_on.in_number([0, 3], 0, 4) and not rule_off.in_number([0, 3], 0, 4)
+    assert not AnswerRule(RuleOptions(check="off"), lambda t: False).in_number([0, 3], 0, 4)  # no watch: no rule
+
+
+def test_a_guess_judges_a_number_within_a_tie_and_the_engine_is_overruled_towards_the_cloud():
+    """Where a guess decides, a digit the device would keep within lookahead_nats is taken unless it
+    ties; where the router is asked, engine_tier gives a number position to the cloud at least
+    (a tier above it stays)."""
+    from shared.decision_engine import CLOUD, DEVICE, Position, engine_tier
+
+    class Says:
+        name = "says"
+
+        def __init__(self, tier: int) -> None:
+            self.tier = tier
+
+        def start_answer(self) -> None:
+            pass
+
+        def decide(self, position: Position) -> int:
+            return self.tier
+
+    class Off:
+        def regret(self, token: int) -> float:
+            return 0.8  # within lookahead_nats (1.0), beyond a tie (0.6)
+
+    rule = AnswerRule(RuleOptions(lookahead=True, lookahead_nats=1.0, check="off"), lambda t: False)
+    assert rule.step(None, Off(), 5) is Step.GUESS_KEEP
+    assert rule.step(None, Off(), 5, in_number=True) is Step.GUESS_TAKE
+    z = np.zeros(3, np.float32)
+    at = Position()
+    assert engine_tier(Says(DEVICE), at, 0, 1, 0.0, z, z) == DEVICE
+    assert engine_tier(Says(DEVICE), at, 0, 1, 0.0, z, z, 2, True) == CLOUD and at.in_number
+    assert engine_tier(Says(2), at, 0, 1, 0.0, z, z, 3, True) == 2

@@ -638,3 +638,55 @@ def test_short_voice_answers_get_cloud_help_at_the_asked_share_from_the_first(ed
     total = sum(a.n_tokens for a in answers)
     assert 0.1 <= routed / total <= 0.5, (routed, total)
     assert sum(1 for a in answers if "cloud" in a.routes) >= len(answers) - 1, [a.routes for a in answers]
+
+
+NUMBER_QUESTIONS = [
+    "how many hours are in a day",
+    "how many centimeters are in a meter",
+    "how many ounces are in a pound",
+    "how many weeks are in a year",
+    "what is the largest planet in our solar system",
+]
+
+
+def test_a_number_in_a_routed_answer_is_the_clouds_whole(edge_model, cloud_server, cloud_info):
+    """Every default, the default pair: each token of a number in the routed answer (a digit, the
+    token after one, a "," or "." joining two parts) is the cloud model's own greedy choice there
+    (teacher-forced on the answer). With `whole_numbers` off the device's digits stand in some
+    answers ("A day is approximately 8 hours": the cloud says 24), so the rule is what keeps them.
+    Asked as `ask` asks (its system prompt), where the tune split of the question set saw them spliced."""
+    from dataclasses import replace
+
+    from edge_client.cloud_link import CloudLink
+    from edge_client.options import GeneratorOptions
+    from shared.decision import TIE_NATS, NumberWatch
+    from shared.prompting import DEFAULT_SYSTEM_PROMPT
+    from shared.sampling import regret
+
+    watch = NumberWatch(edge_model.token_bytes)
+
+    def numbers_not_the_clouds(opts: GeneratorOptions) -> tuple[int, list[str], float]:
+        """Number tokens, those not the cloud's greedy choice, and the largest regret of one (nats)."""
+        gen = RoutedGenerator(edge_model, opts, lambda: CloudLink(cloud_server.url, cloud_server.api_key, 10.0))
+        n, off, worst = 0, [], 0.0
+        try:
+            for q in NUMBER_QUESTIONS:
+                messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": q}]
+                a = gen.generate(messages, max_tokens=48)
+                assert not a.degraded, a.degraded_reason
+                logits = teacher_forced_logits(cloud_info, messages, a.tokens)
+                for i, token in enumerate(a.tokens):
+                    if watch.at(a.tokens[:i], 0, token):
+                        n += 1
+                        worst = max(worst, regret(logits[i], token))
+                        if not is_greedy_choice(logits[i], token):
+                            off.append(f"{a.text!r} at {i} ({a.pieces[i]!r})")
+        finally:
+            gen.close()
+        return n, off, worst
+
+    opts = GeneratorOptions(seed=0, cloud_timeout_s=10.0, lookahead_wait_s=5.0)
+    n, off, _ = numbers_not_the_clouds(opts)
+    assert n >= 4 and not off, off
+    _, _, worst = numbers_not_the_clouds(replace(opts, whole_numbers=False))
+    assert worst > TIE_NATS, "without the rule every number was the cloud's anyway: this test shows nothing"

@@ -71,6 +71,7 @@ from shared.decision import (
     TIE_NATS,
     AnswerRule,
     ClauseEnds,
+    NumberWatch,
     RuleOptions,
     Step,
     cloud_choice,
@@ -161,6 +162,7 @@ def _runs_for(
     n_vocab: int,
     clause_ends: ClauseEnds,
     extra: dict[str, RouterFile] | None = None,
+    numbers: NumberWatch | None = None,
 ) -> list[_Run]:
     runs = [_Run("edge-only", 0.0, prompt, None), _Run("cloud-only", 1.0, prompt, None, cloud_only=True)]
     learned = LearnedRouter(router_file)
@@ -189,7 +191,7 @@ def _runs_for(
             return RoutingPolicy(PolicyConfig("router", threshold=min(max(thresholds[m], 0.0), 1.0)))
 
         def rule(lookahead: bool = False, nats: float = 1.0, check: str = "off", check_nats: float = 1.0) -> AnswerRule:
-            return AnswerRule(RuleOptions(lookahead, nats, check, check_nats, opts.tie_nats), clause_ends)
+            return AnswerRule(RuleOptions(lookahead, nats, check, check_nats, opts.tie_nats), clause_ends, numbers)
 
         runs += [_Run(m, f, prompt, policy(m), routers[m], rule=rule()) for m in thresholds]
         runs += [
@@ -225,7 +227,7 @@ def _runs_for(
         for r in runs:
             if r.remote:  # its own policy and rule state (the twin's are shared objects otherwise)
                 r.policy = RoutingPolicy(r.policy.config) if r.policy is not None else None
-                r.rule = AnswerRule(r.rule.options, clause_ends) if r.rule is not None else None
+                r.rule = AnswerRule(r.rule.options, clause_ends, numbers) if r.rule is not None else None
     for r in runs:  # each routed run's engine, around its own policy (as the device builds it)
         if r.policy is not None:
             r.engine = build_engine(opts.decision_engine, EngineSetup(r.policy, {}, opts.edge_model, opts.cloud_model))
@@ -254,8 +256,8 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
         )
     tokens = [chat(edge, opts.system_prompt, p) for p in prompts]
     per = opts.prompts_per_batch
-    clause_ends = ClauseEnds(edge.token_bytes, edge.is_eog)
-    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab, clause_ends, extra))
+    clause_ends, numbers = ClauseEnds(edge.token_bytes, edge.is_eog), NumberWatch(edge.token_bytes)
+    n_cfg = len(_runs_for(0, rf, opts, edge.n_vocab, clause_ends, extra, numbers))
     longest = max(len(t) for t in tokens)
     stepper = PairStepper(
         edge, cloud, n_seq=per * n_cfg, n_ctx=per * (longest + n_cfg * (opts.max_tokens + 2)) + 64, threads=opts.threads
@@ -264,7 +266,7 @@ def evaluate(prompts: list[str], opts: EvalOptions, on_progress: Callable[[int],
     try:
         for start in range(0, len(prompts), per):
             batch = [
-                _runs_for(k, rf, opts, edge.n_vocab, clause_ends, extra)
+                _runs_for(k, rf, opts, edge.n_vocab, clause_ends, extra, numbers)
                 for k in range(start, min(start + per, len(prompts)))
             ]
             _decode(stepper, batch, [tokens[b[0].prompt] for b in batch], opts.max_tokens, opts.tie_nats, remote, opts)
@@ -457,12 +459,13 @@ def _routed_token(
         if isinstance(run.router, RandomRouter) or key not in cache:
             cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
         assert run.engine is not None
+        number = rule.in_number(run.tokens, 0, proposed)
         tier = engine_tier(
-            run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits
+            run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits, 2, number
         )
         flagged = tier != DEVICE
         run.hard.append(flagged)
-    step = rule.step(flagged, guess, proposed)
+    step = rule.step(flagged, guess, proposed, guess is not None and rule.in_number(run.tokens, 0, proposed))
     tok = proposed
     if step is Step.GUESS_TAKE:
         tok = guess.token if guess is not None else cloud_tok
