@@ -98,7 +98,7 @@ class Answer:
     degraded: bool = False  # the cloud was lost (unreachable, full, gone) and the edge finished alone
     degraded_reason: str = ""  # why, in the cloud link's words ("" when not degraded)
     interrupted: bool = False  # stopped early by the caller (barge-in)
-    finish_reason: str = "stop"  # "stop" (end of generation), "length", "interrupted"
+    finish_reason: str = "stop"  # "stop" (end of generation), "length", "interrupted", "loop" (began to loop)
     decision_engine: str = ""  # what decided the positions the router scored (the token hook): "router", built in
     decision: str = ""  # a per-answer choice of model (replay's query/session policies): "edge" or "cloud"
     latency: Latency = field(default_factory=Latency)

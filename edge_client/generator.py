@@ -341,6 +341,8 @@ class RoutedGenerator:
         while not turn.finished():
             self._strategy(turn, mode, use_cloud).run(turn)
         turn.out.finish(turn.stopped(), turn.router_ms)
+        if turn.looped and not answer.interrupted:
+            answer.finish_reason = "loop"  # ended where it began to say a run again (shared/decision.py, "Loops")
         self._complete_answer(answer, turn, sessions, before, use_cloud)
         return answer
 

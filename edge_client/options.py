@@ -90,6 +90,7 @@ class GeneratorOptions:
     check: str = DEFAULT_CHECK
     check_nats: float = 1.0
     whole_numbers: bool = True  # a number is the cloud's, digit after digit (shared/decision.py, "Numbers")
+    stop_loops: bool = True  # an answer ends where it says a run of tokens again (shared/decision.py, "Loops")
     check_max_draft: int = CHECK_MAX_DRAFT  # longest draft before a verify when no clause ends
     strategy: str = "per-token"  # STRATEGIES: how the per-token phase asks the cloud
     # Text mode (protocol v3, docs/protocol.md): share the answer as text with a cloud whose model

@@ -55,8 +55,8 @@ class PerToken:
         guess = history_of(guessing).guess(turn, guessing) if rule.guess_due and guessing.up else None
         score, flagged = turn.flag(hidden, logits, proposed) if rule.router_asked(guess) else (None, None)
         explore = turn.explore(flagged)
-        number = guess is not None and rule.in_number(turn.decoder.history, turn.prompt_len, proposed)
-        step = rule.step(flagged or explore, guess, proposed, number)
+        required = guess is not None and rule.cloud_required(turn.decoder.history, turn.prompt_len, proposed)
+        step = rule.step(flagged or explore, guess, proposed, required)
         tier = CLOUD if explore else turn.tier
         n_before = len(turn.answer.tokens)
         if step is Step.GUESS_TAKE and guess is not None:  # the cloud's guess, no round trip

@@ -20,7 +20,7 @@ from edge_client.decoder import EdgeDecoder
 from edge_client.options import GeneratorOptions
 from edge_client.prefetch import TierForecast
 from edge_client.writer import AnswerWriter
-from shared.decision import AnswerRule, ClauseEnds, OverruledShare, draft_ends
+from shared.decision import AnswerRule, ClauseEnds, OverruledShare, RepeatWatch, draft_ends
 from shared.decision_engine import CLOUD, DEVICE, DecisionEngine, Position, engine_tier
 from shared.exploration import Exploration
 from shared.learned_router import score_tiers
@@ -70,6 +70,8 @@ class Turn:
     forecast: TierForecast | None = None  # --prefetch forecast: which tiers the routers expect soon
     _clause_scan: int = 0  # the history up to here holds no clause end (Position.in_first_clause)
     _clause_ended: bool = False
+    loops: RepeatWatch = field(default_factory=RepeatWatch)  # the answer ends where it begins to loop
+    looped: bool = False  # it did (finish reason "loop")
 
     @property
     def answer(self) -> Answer:
@@ -84,7 +86,9 @@ class Turn:
 
     def finished(self) -> bool:
         tokens = self.answer.tokens
-        return (bool(tokens) and self.model.is_eog(tokens[-1])) or self.room() <= 0 or self.stopped()
+        if self.opts.stop_loops and self.loops.said_again(self.decoder.history, self.prompt_len):
+            self.looped = True
+        return (bool(tokens) and self.model.is_eog(tokens[-1])) or self.room() <= 0 or self.stopped() or self.looped
 
     def flag(self, hidden: np.ndarray, logits: np.ndarray, proposed: int) -> tuple[float, bool]:
         """The router's score at this position and the decision engine's (is it hard?)."""
@@ -95,8 +99,8 @@ class Turn:
         if self.tier_routers:
             self._score_tiers(score, hidden, logits, proposed)
         self.position.in_first_clause = self._in_first_clause()
-        number = self.rule.in_number(self.decoder.history, self.prompt_len, proposed)
-        self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers, number)
+        required = self.rule.cloud_required(self.decoder.history, self.prompt_len, proposed)
+        self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers, required)
         if self.forecast is not None:
             self.forecast.observe(self.position, self.tier)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)
@@ -237,4 +241,6 @@ def draft_clause(turn: Turn) -> ClauseDraft | None:
             return None
         if turn.model.is_eog(proposed) or draft_ends(len(draft.scores), past_clause_end, room):
             return draft
+        if turn.opts.stop_loops and turn.loops.said_again(dec.history, turn.prompt_len):
+            return draft  # the answer ends here unless the check changes it (Turn.finished)
         past_clause_end = turn.clause_ends(proposed)

@@ -30,6 +30,12 @@ writes a whole number, spliced they write neither. The decision engine is
 overruled towards the cloud only (shared/decision_engine.py, `engine_tier`);
 in the check phase such a draft is judged exactly, as a flagged one.
 
+**Loops.** An answer ends where it says a run of `LOOP_TOKENS` tokens again
+(`RepeatWatch`; the device's `stop_loops`, on by default; finish reason
+"loop"). A small model's loops do not end by themselves, and giving the
+repeating positions to the cloud did not end them either: the cloud continued
+"how to boil an egg, how to boil an egg, ..." itself (docs/journal/router.md).
+
 **Ties.** llama.cpp's batched and one-token kernels are not bitwise equal, so
 two runs of one model disagree at near-ties depending on how their histories
 were batched. A proposed or drafted token within `TIE_NATS` of the cloud's
@@ -191,6 +197,38 @@ class NumberWatch:
         return last == 2 and n >= 2 and self._kind(history[-2]) == 1
 
 
+LOOP_TOKENS = 8  # an answer that says a run of this many tokens again has begun to loop ("Loops")
+
+
+class RepeatWatch:
+    """Whether an answer's last `n` tokens say again a run the answer already holds (module
+    docstring, "Loops"). The answer's runs are kept in a dict, extended as the answer grows: O(1) a
+    token. A run kept from tokens since taken back (the check's drafts) is checked against the
+    answer before it counts."""
+
+    def __init__(self, n: int = LOOP_TOKENS) -> None:
+        self.n = n
+        self.reset()
+
+    def reset(self) -> None:
+        self._runs: dict[tuple[int, ...], int] = {}  # run -> the index of its last token
+        self._upto = 0  # the runs ending before this index are in `_runs`
+
+    def said_again(self, tokens: Sequence[int], start: int = 0) -> bool:
+        """`tokens[-n:]` is a run that also ends earlier, after `start` (where the answer begins)."""
+        n, last = self.n, len(tokens) - 1
+        if last - start + 1 < n + 1:
+            return False
+        if last < self._upto:  # taken back beyond what was seen: see it again
+            self.reset()
+        for end in range(max(self._upto, start + n - 1), last):
+            self._runs.setdefault(tuple(tokens[end - n + 1 : end + 1]), end)
+        self._upto = last
+        run = tuple(tokens[last - n + 1 :])
+        end = self._runs.get(run)
+        return end is not None and tuple(tokens[end - n + 1 : end + 1]) == run
+
+
 class AnswerRule:
     """The rule's state over one answer: is a guess due, is the check on.
 
@@ -207,8 +245,9 @@ class AnswerRule:
         self.numbers = numbers  # None: no number rule (a caller that cannot read tokens' text)
         self.start_answer()
 
-    def in_number(self, history: Sequence[int], start: int, proposed: int) -> bool:
-        """This position writes part of a number and the rule gives numbers to the cloud ("Numbers")."""
+    def cloud_required(self, history: Sequence[int], start: int, proposed: int) -> bool:
+        """The rule gives this position to the cloud whatever decides the others: it writes part of a
+        number ("Numbers")."""
         return self.options.whole_numbers and self.numbers is not None and self.numbers.at(history, start, proposed)
 
     def start_answer(self) -> None:
@@ -220,13 +259,13 @@ class AnswerRule:
         """Whether the router scores this position: always while checking, else unless a guess decides."""
         return self.checking or guess is None
 
-    def step(self, flagged: bool | None, guess: GuessJudge | None, proposed: int, in_number: bool = False) -> Step:
-        """What happens at this position (the module docstring's order). A guess judges a token
-        `in_number` exactly (within a tie), as the cloud judges a flagged one ("Numbers")."""
+    def step(self, flagged: bool | None, guess: GuessJudge | None, proposed: int, cloud_required: bool = False) -> Step:
+        """What happens at this position (the module docstring's order). A guess judges a token the
+        rule gives the cloud (`cloud_required`) exactly, within a tie, as the cloud judges a flagged one."""
         if self.checking:
             return Step.DRAFT
         if guess is not None:
-            nats = self.options.tie_nats if in_number else self.options.lookahead_nats
+            nats = self.options.tie_nats if cloud_required else self.options.lookahead_nats
             return Step.GUESS_TAKE if take_guess(guess, proposed, nats) else Step.GUESS_KEEP
         return Step.ASK if flagged else Step.KEEP
 

@@ -208,17 +208,17 @@ def engine_tier(
     hidden: np.ndarray,
     logits: np.ndarray,
     tiers: int = 2,
-    in_number: bool = False,
+    cloud_required: bool = False,
 ) -> int:
     """The tier that writes this position: `engine` decides, shown `at` (a reused Position, filled
-    here), checked against the pool's `tiers` (the evals' pool: 2). A position `in_number`
-    (shared/decision.py, `NumberWatch`) goes to the cloud at least, whatever the engine said: one
-    model writes a whole number. The one call the device's generator (edge_client/turn.py,
+    here), checked against the pool's `tiers` (the evals' pool: 2). A position the rule gives the
+    cloud (`cloud_required`: shared/decision.py, `AnswerRule.cloud_required`) goes to the cloud at
+    least, whatever the engine said. The one call the device's generator (edge_client/turn.py,
     `Turn.flag`) and the trainer's evals (models/train/) make."""
     at.index, at.proposed, at.score, at.hidden, at.logits = index, proposed, score, hidden, logits
-    at.in_number = in_number
+    at.cloud_required = cloud_required
     tier = checked_tier(engine, engine.decide(at), tiers)
-    return max(tier, CLOUD) if in_number else tier
+    return max(tier, CLOUD) if cloud_required else tier
 
 
 def checked_tier(engine: DecisionEngine, tier: int, tiers: int = 2) -> int:

@@ -33,7 +33,9 @@ class Position:
     # one ships (the device fills it; the evals leave it empty): read it through `score_for`
     tier_scores: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     in_first_clause: bool = True  # no clause of the answer has ended before this position (the device fills it)
-    in_number: bool = False  # part of a number: the cloud writes it whatever the engine says (shared/decision.py)
+    # The rule gives this position to the cloud whatever the engine says: part of a number (shared/decision.py,
+    # "Numbers"); a tier above the cloud that the engine chose stays
+    cloud_required: bool = False
 
     def score_for(self, tier: int) -> float:
         """The expected gain of asking `tier`: its own router's score, else the pair's (`score`)."""

@@ -171,8 +171,8 @@ def test_a_number_is_watched_from_its_first_digit_to_the_token_after_it():
     assert not watch.at([4, 5, 0], 3, 1)  # the digits before `start` are the prompt's
     rule_on = AnswerRule(RuleOptions(check="off"), lambda t: False, watch)
     rule_off = AnswerRule(RuleOptions(check="off", whole_numbers=False), lambda t: False, watch)
-    assert rule_on.in_number([0, 3], 0, 4) and not rule_off.in_number([0, 3], 0, 4)
-    assert not AnswerRule(RuleOptions(check="off"), lambda t: False).in_number([0, 3], 0, 4)  # no watch: no rule
+    assert rule_on.cloud_required([0, 3], 0, 4) and not rule_off.cloud_required([0, 3], 0, 4)
+    assert not AnswerRule(RuleOptions(check="off"), lambda t: False).cloud_required([0, 3], 0, 4)  # no watch: no rule
 
 
 def test_a_guess_judges_a_number_within_a_tie_and_the_engine_is_overruled_towards_the_cloud():
@@ -199,9 +199,28 @@ def test_a_guess_judges_a_number_within_a_tie_and_the_engine_is_overruled_toward
 
     rule = AnswerRule(RuleOptions(lookahead=True, lookahead_nats=1.0, check="off"), lambda t: False)
     assert rule.step(None, Off(), 5) is Step.GUESS_KEEP
-    assert rule.step(None, Off(), 5, in_number=True) is Step.GUESS_TAKE
+    assert rule.step(None, Off(), 5, cloud_required=True) is Step.GUESS_TAKE
     z = np.zeros(3, np.float32)
     at = Position()
     assert engine_tier(Says(DEVICE), at, 0, 1, 0.0, z, z) == DEVICE
-    assert engine_tier(Says(DEVICE), at, 0, 1, 0.0, z, z, 2, True) == CLOUD and at.in_number
+    assert engine_tier(Says(DEVICE), at, 0, 1, 0.0, z, z, 2, True) == CLOUD and at.cloud_required
     assert engine_tier(Says(2), at, 0, 1, 0.0, z, z, 3, True) == 2
+
+
+def test_a_run_said_again_is_watched_and_a_run_taken_back_does_not_count():
+    """RepeatWatch (n=4 here): an answer whose last n tokens end a run it already holds says it again; a
+    shorter run, the prompt's tokens, and a run of tokens since taken back (the check's drafts) do not."""
+    from shared.decision import LOOP_TOKENS, RepeatWatch
+
+    assert LOOP_TOKENS == 8
+    w = RepeatWatch(4)
+    assert not w.said_again([1, 2, 3, 4, 5, 1, 2, 3]) and w.said_again([1, 2, 3, 4, 5, 1, 2, 3, 4])
+    w.reset()
+    assert not w.said_again([1, 2, 3, 4, 5, 2, 3, 4])  # 2 3 4 is three tokens
+    w.reset()
+    assert not w.said_again([1, 2, 3, 4, 9, 1, 2, 3, 4], start=5)  # the first 1 2 3 4 is the prompt's
+    w.reset()
+    assert not w.said_again([7, 1, 2, 3, 4, 8, 6])  # sees the runs of tokens ...
+    assert not w.said_again([7, 8, 8, 8, 9, 1, 2, 3, 4])  # ... taken back and rewritten: 1 2 3 4 is said once
+    w.reset()
+    assert w.said_again([5, 5, 5, 5, 5])  # a token said five times is a run of four said twice

@@ -72,6 +72,7 @@ from shared.decision import (
     AnswerRule,
     ClauseEnds,
     NumberWatch,
+    RepeatWatch,
     RuleOptions,
     Step,
     cloud_choice,
@@ -152,6 +153,7 @@ class _Run:
     routed: int = 0
     nll: float = 0.0
     done: bool = False
+    loops: RepeatWatch = field(default_factory=RepeatWatch)  # the answer ends where it begins to loop
     work: CloudWork | None = None  # the work model (the module docstring); None for edge-only
 
 
@@ -337,7 +339,7 @@ def _decode(
         for run in active:
             seq = seq_of[id(run)]
             tok = _write_token(run, views[seq], cache, seq, prompts[run_prompt[id(run)]], tie_nats, remote)
-            if stepper.edge.is_eog(tok):
+            if stepper.edge.is_eog(tok) or run.loops.said_again(run.tokens):  # as the device ends an answer
                 run.done = True
             else:
                 moves.setdefault(seq, {}).setdefault(tok, []).append(run)
@@ -459,13 +461,13 @@ def _routed_token(
         if isinstance(run.router, RandomRouter) or key not in cache:
             cache[key] = run.router.score(v.edge_hidden, v.edge_logits, proposed)
         assert run.engine is not None
-        number = rule.in_number(run.tokens, 0, proposed)
+        required = rule.cloud_required(run.tokens, 0, proposed)
         tier = engine_tier(
-            run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits, 2, number
+            run.engine, run.position, len(run.tokens), proposed, cache[key], v.edge_hidden, v.edge_logits, 2, required
         )
         flagged = tier != DEVICE
         run.hard.append(flagged)
-    step = rule.step(flagged, guess, proposed, guess is not None and rule.in_number(run.tokens, 0, proposed))
+    step = rule.step(flagged, guess, proposed, guess is not None and rule.cloud_required(run.tokens, 0, proposed))
     tok = proposed
     if step is Step.GUESS_TAKE:
         tok = guess.token if guess is not None else cloud_tok
