@@ -25,6 +25,7 @@ class KeyPolicy:
     """What one API key may do; None means unlimited."""
 
     name: str = "anonymous"
+    digest: str = ""  # "sha256:<hex>" of the key (cloud_server/auth.py): what records name it by, never the key
     max_sessions: int | None = None
     tokens_per_minute: int | None = None
     max_cloud_fraction: float | None = None
