@@ -8,15 +8,19 @@ session. The server compares each session's routing with the fleet's band and ra
 from __future__ import annotations
 
 import json
+import secrets
 
 import pytest
+from websockets.sync.client import connect
 
+from cloud_server.auth import digest
 from cloud_server.local import LocalCloudServer
 from cloud_server.routing_watch import RoutingWatch, SessionRouting
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.exploration import Exploration
+from shared.protocol import Accept, decode
 from tests.conftest import LONG_QUESTIONS, QUESTIONS, chat
-from tests.helpers import make_generator, metric, wait_for
+from tests.helpers import hello_json, make_generator, metric, wait_for
 
 
 class Clock:
@@ -203,3 +207,38 @@ def test_a_session_that_routes_unlike_the_fleet_raises_an_alarm(edge_model, watc
 
     alarmed = wait_for(alarmed, 5)  # the audit log is written after the connection closed
     assert len(alarmed) == 1 and alarmed[0]["flagged"] and "routed_share 0.00 is low" in alarmed[0]["alarms"][0]
+
+
+def test_one_keys_flood_raises_no_alarm_on_the_next_honest_session(edge_model, cloud_info, tmp_path):
+    """Issue 47 #4 as it was found: on a fresh server with the default watch and an audit log, one key
+    opens 20 sessions that each sync 70 device tokens and close; the next honest session ("describe how
+    a bicycle works", 128 tokens) raised `routed_share 0.04 is high (fleet band 0.00-0.01)` and its audit
+    entry was flagged. Now no alarm, nothing flagged, and the audit index names keys by digest only."""
+    hostile = "hostile-" + secrets.token_hex(4)
+    (tmp_path / "keys.txt").write_text(f"{hostile} name=hostile\n")
+    audit = tmp_path / "audit"
+    args = ["--api-keys", str(tmp_path / "keys.txt"), "--audit-dir", str(audit)]
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
+        for _ in range(20):
+            with connect(server.url, open_timeout=10) as ws:
+                ws.send(hello_json(cloud_info, hostile, "what is the capital of france"))
+                acc = decode(ws.recv(timeout=30))
+                assert isinstance(acc, Accept), acc
+                ws.send(json.dumps({"type": "sync", "position": acc.n_prompt, "tokens": [28] * 70}))
+        gen = make_generator(edge_model, server, threshold=0.5, cloud_fraction=0.3)
+        try:
+            answer = gen.generate(chat("describe how a bicycle works"), max_tokens=128)
+        finally:
+            gen.close()
+        assert answer.n_tokens >= 64 and answer.n_cloud_tokens > 0, answer.to_json()
+
+        def entries() -> list[dict]:
+            index = [json.loads(line) for p in audit.glob("*/index.jsonl") for line in p.open()]
+            return index if len(index) == 21 else []
+
+        index = wait_for(entries, 10)
+        assert len(index) == 21, index
+        assert metric(server, "tokenrouter_routing_alarms_total{") == 0
+    assert not [e for e in index if e["flagged"] or e.get("alarms")], index
+    assert {e["key_digest"] for e in index if e["key"] == "hostile"} == {digest(hostile)}
+    assert hostile not in (audit / index[0]["file"]).parent.joinpath("index.jsonl").read_text()
