@@ -16,6 +16,9 @@ from websockets.sync.client import connect
 from cloud_server.auth import digest
 from cloud_server.local import LocalCloudServer
 from cloud_server.routing_watch import RoutingWatch, SessionRouting
+from edge_client.cloud_link import CloudLink
+from edge_client.generator import RoutedGenerator
+from edge_client.options import GeneratorOptions
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.exploration import Exploration
 from shared.protocol import Accept, decode
@@ -225,9 +228,15 @@ def test_one_keys_flood_raises_no_alarm_on_the_next_honest_session(edge_model, c
                 acc = decode(ws.recv(timeout=30))
                 assert isinstance(acc, Accept), acc
                 ws.send(json.dumps({"type": "sync", "position": acc.n_prompt, "tokens": [28] * 70}))
-        gen = make_generator(edge_model, server, threshold=0.5, cloud_fraction=0.3)
+        # the product's device, as `tokenrouter-edge ask --max-tokens 128` runs it
+        opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, seed=7, max_tokens=128)
+        gen = RoutedGenerator(edge_model, opts, lambda: CloudLink(server.url, server.api_key))
         try:
-            answer = gen.generate(chat("describe how a bicycle works"), max_tokens=128)
+            question = [
+                {"role": "system", "content": opts.system_prompt},
+                {"role": "user", "content": "describe how a bicycle works"},
+            ]
+            answer = gen.generate(question)
         finally:
             gen.close()
         assert answer.n_tokens >= 64 and answer.n_cloud_tokens > 0, answer.to_json()
@@ -241,4 +250,4 @@ def test_one_keys_flood_raises_no_alarm_on_the_next_honest_session(edge_model, c
         assert metric(server, "tokenrouter_routing_alarms_total{") == 0
     assert not [e for e in index if e["flagged"] or e.get("alarms")], index
     assert {e["key_digest"] for e in index if e["key"] == "hostile"} == {digest(hostile)}
-    assert hostile not in (audit / index[0]["file"]).parent.joinpath("index.jsonl").read_text()
+    assert hostile not in "".join(p.read_text() for p in audit.glob("*/index.jsonl"))  # the digest, never the key
