@@ -40,6 +40,7 @@ from cloud_server.config import ServerConfig
 from cloud_server.drain import DRAIN_REASON, GOING_AWAY, Drain
 from cloud_server.engine import CloudEngine
 from cloud_server.engine_api import Worker
+from cloud_server.flywheel import recorder_for
 from cloud_server.logs import ADMITTED, TRACEBACK_EVERY_S, TRACEBACKS, TracebackLimit
 from cloud_server.metrics import ServerMetrics
 from cloud_server.quotas import KeyPolicy, Quotas
@@ -129,10 +130,14 @@ def create_app(config: ServerConfig) -> FastAPI:
         lambda: worker.engine.n_sessions, worker.engine.pool if isinstance(worker.engine, CloudEngine) else None
     )
 
+    recorder = recorder_for(config, info, lambda reason, n: metrics.flywheel_dropped.labels(reason).inc(n))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         worker.shutdown()
+        if recorder is not None:  # the rows the last sessions left, written before the process ends
+            await asyncio.to_thread(recorder.close)
 
     app = FastAPI(title="TokenRouter cloud", version=str(PROTOCOL_VERSION), lifespan=lifespan)
     app.state.worker = worker
@@ -173,7 +178,7 @@ def _services(config: ServerConfig, info: ModelInfo, metrics: ServerMetrics) -> 
         metrics=metrics,
         audit=audit,
         abuse_warmup_tokens=config.abuse_warmup_tokens,
-        watch=RoutingWatch(config.alarm_quantile, config.alarm_min_sessions),
+        watch=RoutingWatch(config.alarm_quantile, config.alarm_min_sessions, min_keys=config.alarm_min_keys),
     )
 
 

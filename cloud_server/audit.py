@@ -42,9 +42,10 @@ class AuditOptions:
 class SessionAudit:
     """Writers of one session's positions; rollbacks cut the record like they cut the history."""
 
-    def __init__(self, session_id: str, key_name: str, n_prompt: int, token_ids: bool) -> None:
+    def __init__(self, session_id: str, key_name: str, n_prompt: int, token_ids: bool, key_digest: str = "") -> None:
         self.session_id = session_id
         self.key_name = key_name
+        self.key_digest = key_digest  # as the flywheel's rows name the key (a key's records can be found and dropped)
         self.start = n_prompt
         self.token_ids = token_ids
         self.t_open = time.time()
@@ -103,8 +104,10 @@ class AuditLog:
     def enabled(self) -> bool:
         return self.root is not None
 
-    def start(self, session_id: str, key_name: str, n_prompt: int) -> SessionAudit | None:
-        return SessionAudit(session_id, key_name, n_prompt, self.options.token_ids) if self.enabled else None
+    def start(self, session_id: str, key_name: str, n_prompt: int, key_digest: str = "") -> SessionAudit | None:
+        if not self.enabled:
+            return None
+        return SessionAudit(session_id, key_name, n_prompt, self.options.token_ids, key_digest)
 
     def sampled(self, session_id: str) -> bool:
         h = int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big")
@@ -122,6 +125,7 @@ class AuditLog:
             entry = {
                 "session_id": audit.session_id,
                 "key": audit.key_name,
+                "key_digest": audit.key_digest,
                 "opened": round(audit.t_open, 3),
                 "closed": round(time.time(), 3),
                 "tokens": len(audit),

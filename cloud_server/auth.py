@@ -42,7 +42,7 @@ def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
     [explore_per_minute=N]' -> (digest, policy)."""
     key, *opts = line.split()
     d = key if key.startswith("sha256:") else digest(key)
-    fields: dict[str, object] = {"name": "key-" + d[7:15]}
+    fields: dict[str, object] = {"name": "key-" + d[7:15], "digest": d}
     for opt in opts:
         name, sep, value = opt.partition("=")
         try:
@@ -90,6 +90,7 @@ class KeyChecker:
         if found is None and self.insecure:
             return KeyPolicy(
                 name="anonymous",
+                digest=d,
                 **{f: getattr(self.default, f) for f in _LIMITS},
             )
         return found

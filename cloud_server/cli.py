@@ -62,6 +62,7 @@ def _add_production_flags(s: argparse.ArgumentParser) -> None:
     # tests: small kernel buffers show backpressure (hidden from --help)
     limits.add_argument("--socket-sndbuf", type=int, default=0, help=argparse.SUPPRESS)
     _add_audit_flags(s.add_argument_group("audit log"), d)
+    _add_flywheel_flags(s.add_argument_group("flywheel (with --record-dir)"), d)
     remote = s.add_argument_group("remote engine (OpenAI-compatible completions: vLLM, SGLang, llama.cpp server)")
     _add_remote_engine_flags(remote, d)
     # the log format is listed in this group by --help, as it always was
@@ -171,10 +172,41 @@ def _add_key_quotas(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
         help="routing watch: sessions seen before its band is trusted",
     )
     g.add_argument(
+        "--alarm-min-keys",
+        type=int,
+        default=d.alarm_min_keys,
+        help="routing watch: keys other than a session's own whose sessions form the band before it is judged "
+        "(each key weighs as one device); 0: a fleet behind one key, whose sessions judge each other",
+    )
+    g.add_argument(
         "--abuse-warmup-tokens",
         type=int,
         default=d.abuse_warmup_tokens,
         help="tokens before the cloud-fraction cap applies",
+    )
+
+
+def _add_flywheel_flags(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
+    """What the flywheel records and how much of it (cloud_server/flywheel.py)."""
+    g.add_argument(
+        "--record-edge-model",
+        action="append",
+        default=[],
+        metavar="NAME_OR_GGUF",
+        help="also record rows of this edge model (repeatable); the shipped routers' edge models and the cloud's "
+        "own are known, rows of other models or of another hidden-state width are dropped",
+    )
+    g.add_argument(
+        "--record-queue-mib",
+        type=int,
+        default=d.record_queue_bytes >> 20,
+        help="hidden states waiting for the flywheel's writer thread; past it, rows are dropped (counted)",
+    )
+    g.add_argument(
+        "--record-max-mib",
+        type=int,
+        default=d.record_max_bytes >> 20,
+        help="shards the record dir may hold; past it, rows are dropped (counted)",
     )
 
 
@@ -241,6 +273,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=args.max_message_bytes,
         threads=args.threads,
         record_dir=args.record_dir,
+        record_edge_models=args.record_edge_model,
+        record_queue_bytes=args.record_queue_mib << 20,
+        record_max_bytes=args.record_max_mib << 20,
         kv_slots=args.kv_slots,
         evict_mode=args.evict_mode,
         max_saved_bytes=args.max_saved_mib << 20,
@@ -261,6 +296,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         key_explore_per_minute=args.key_explore_per_minute,
         alarm_quantile=args.alarm_quantile,
         alarm_min_sessions=args.alarm_min_sessions,
+        alarm_min_keys=args.alarm_min_keys,
         abuse_warmup_tokens=args.abuse_warmup_tokens,
         audit_dir=args.audit_dir,
         audit_sample_rate=args.audit_sample_rate,

@@ -33,6 +33,9 @@ class ServerConfig:
     record_dir: str | None = (
         None  # flywheel: record live hard tokens as training shards (off by default; a privacy choice)
     )
+    record_edge_models: list[str] = field(default_factory=list)  # edge models recorded besides the known ones
+    record_queue_bytes: int = 32 << 20  # flywheel rows waiting for its writer thread; past it, rows are dropped
+    record_max_bytes: int = 1 << 30  # the record dir's shards; past it, rows are dropped
     # scheduling and the KV budget (embedded engine)
     kv_slots: int | None = None  # sessions holding KV cells at once (default max_sessions, at most 256)
     evict_mode: str = "recompute"  # "recompute" (re-prefill from history) or "save" (KV copied to host memory)
@@ -52,6 +55,7 @@ class ServerConfig:
     # the routing watch (cloud_server/routing_watch.py): alarm when a session's rates leave the fleet's band
     alarm_quantile: float = 0.01  # the band holds all but this share of sessions on each side
     alarm_min_sessions: int = 20  # sessions seen before the band is trusted
+    alarm_min_keys: int = 5  # other keys seen before a session is judged (0: one key's sessions judge each other)
     # audit log
     audit_dir: str | None = None
     audit_sample_rate: float = 1.0

@@ -67,6 +67,13 @@ class ServerMetrics:
             ["signal", "side"],
             registry=r,
         )
+        self.flywheel_dropped = Counter(
+            P + "flywheel_dropped",
+            "Flywheel rows not recorded (cloud_server/flywheel.py), by reason: unknown_model, width, non_finite "
+            "(refused), queue_full, disk_budget (past --record-queue-mib, --record-max-mib)",
+            ["reason"],
+            registry=r,
+        )
         self.explored = Counter(
             P + "explored", "Exploration requests served (the device's router kept them)", registry=r
         )

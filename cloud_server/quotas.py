@@ -25,6 +25,8 @@ class KeyPolicy:
     """What one API key may do; None means unlimited."""
 
     name: str = "anonymous"
+    # "sha256:<hex>" of the key (cloud_server/auth.py): what records name it by, never the key; not a limit
+    digest: str = field(default="", compare=False)
     max_sessions: int | None = None
     tokens_per_minute: int | None = None
     max_cloud_fraction: float | None = None

@@ -92,7 +92,7 @@ class Connection:
         self.answer: SharedAnswer | None = None  # the answer the session shares, in its mode (set at hello)
         self._verbs: dict[type[Message], Verb] = {}  # the answer's handler per message type
         self.n_errors = 0
-        self.recorder = recorder_for(config.record_dir, info.name, info.fingerprint)  # None unless --record-dir
+        self.recorder = recorder_for(config, info)  # None unless --record-dir (built by create_app)
         self.services = services or Services()
         self.edge_model = ""
 
@@ -138,7 +138,7 @@ class Connection:
             handle,
             session_id,
             key,
-            self.services.audit.start(session_id, key.name, len(prompt)),
+            self.services.audit.start(session_id, key.name, len(prompt), key.digest),
             self.services,
             self.worker,
             self.edge_model,

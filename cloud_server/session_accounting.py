@@ -56,7 +56,7 @@ class SessionAccounting:
         self.edge_model = edge_model
         self.recorder = recorder  # the flywheel (None unless --record-dir)
         self.flagged = False  # the abuse check flagged it (counted and logged once per session)
-        self.routing = SessionRouting()  # the routing watch's counts
+        self.routing = SessionRouting(key=key.digest)  # the routing watch's counts
         self.prefill_ms = 0.0  # background prefill after hello/sync, reported with the next reply (prefill_ms)
 
     # ------------------------------------------------------------ admission (before the cloud writes)
@@ -149,7 +149,9 @@ class SessionAccounting:
         """The flywheel (opt-in): the device's hidden state at a hard position, both sides' choices, and
         whether the position was explored (asked at random, not sent up by the device's engine)."""
         if self.recorder is not None and hidden is not None:
-            self.recorder.record(self.edge_model, hidden, device_token, cloud_token, position, explored)
+            self.recorder.record(
+                self.edge_model, hidden, device_token, cloud_token, position, explored, self.key.digest, self.session_id
+            )
 
     # ------------------------------------------------------------ the engine's work, reported with each reply
 

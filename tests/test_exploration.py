@@ -8,15 +8,22 @@ session. The server compares each session's routing with the fleet's band and ra
 from __future__ import annotations
 
 import json
+import secrets
 
 import pytest
+from websockets.sync.client import connect
 
+from cloud_server.auth import digest
 from cloud_server.local import LocalCloudServer
 from cloud_server.routing_watch import RoutingWatch, SessionRouting
+from edge_client.cloud_link import CloudLink
+from edge_client.generator import RoutedGenerator
+from edge_client.options import GeneratorOptions
 from models.registry import DEFAULT_CLOUD_MODEL
 from shared.exploration import Exploration
+from shared.protocol import Accept, decode
 from tests.conftest import LONG_QUESTIONS, QUESTIONS, chat
-from tests.helpers import make_generator, metric, wait_for
+from tests.helpers import hello_json, make_generator, metric, wait_for
 
 
 class Clock:
@@ -42,28 +49,78 @@ def test_exploration_draws_at_random_within_its_budget():
         Exploration(0.1, -1)
 
 
-def session(asked: int, positions: int = 100, checked: int = 0, overruled: int = 0) -> SessionRouting:
-    return SessionRouting(positions=positions, asked=asked, checked=checked, overruled=overruled)
+def session(asked: int, positions: int = 100, checked: int = 0, overruled: int = 0, key: str = "k0") -> SessionRouting:
+    return SessionRouting(key=key, positions=positions, asked=asked, checked=checked, overruled=overruled)
 
 
 def test_the_watch_learns_the_fleets_band_and_flags_a_session_outside_it():
-    watch = RoutingWatch(quantile=0.01, min_sessions=20, min_positions=64)
+    watch = RoutingWatch(quantile=0.01, min_sessions=20, min_positions=64, min_keys=5)
     for i in range(19):
-        assert watch.check(session(25 + i % 10, checked=80, overruled=4 + i % 4), final=True) == []
-    assert watch.band("routed_share") is None  # not trusted before 20 sessions
-    watch.check(session(30, checked=80, overruled=5), final=True)
-    low, high = watch.band("routed_share")
+        assert watch.check(session(25 + i % 10, checked=80, overruled=4 + i % 4, key=f"k{i % 6}"), final=True) == []
+    assert watch.band("routed_share", "new") is None  # not trusted before 20 sessions
+    watch.check(session(30, checked=80, overruled=5, key="k5"), final=True)
+    low, high = watch.band("routed_share", "new")
     assert low <= 0.25 and 0.34 <= high < 0.4
     # a session that keeps every token on the device while the check overrules a third of its drafts
-    odd = session(0, positions=0, checked=0)
+    odd = session(0, positions=0, checked=0, key="odd")
     assert watch.check(odd) == []  # too few positions to judge
     odd.positions, odd.checked, odd.overruled = 70, 70, 24
     alarms = {(a.signal, a.side) for a in watch.check(odd)}
     assert alarms == {("routed_share", "low"), ("overrule_rate", "high")}
     odd.positions += 64
     assert watch.check(odd, final=True) == []  # each alarms once
-    assert watch.band("routed_share")[0] <= 0.25  # the odd session did not widen the band it broke
-    assert watch.bands["routed_share"].sessions == 20
+    assert watch.bands["routed_share"].sessions == 21  # it joined the band, as one key among seven
+
+
+def honest_fleet(watch: RoutingWatch, keys: int, sessions_each: int = 4) -> None:
+    """Honest keys whose sessions route 3-5 % of their positions (none alarms)."""
+    for i in range(sessions_each):
+        for k in range(keys):
+            assert watch.check(session(3 + (i + k) % 3, key=f"honest{k}"), final=True) == []
+
+
+def test_one_keys_sessions_do_not_move_the_band():
+    """Issue 47 #4: one key's 20 sessions that route nothing (a sync of 70 tokens, closed) made the band
+    0.00-0.01 on a fresh server, and every honest session after them alarmed. A key weighs as one device."""
+    watch = RoutingWatch()  # the defaults: 20 sessions, 5 keys
+    for _ in range(20):
+        assert watch.check(session(0, positions=70, key="hostile"), final=True) == []
+    assert watch.band("routed_share", "honest0") is None  # one key: nothing is judged
+    honest_fleet(watch, keys=5)
+    before = watch.band("routed_share", "honest0")
+    for _ in range(200):  # however many more sessions the key opens
+        watch.check(session(0, positions=70, key="hostile"), final=True)
+    assert watch.band("routed_share", "honest0") == before
+    assert before[1] >= 0.05  # the honest sessions' rates are inside the band that judges them
+    assert all(not watch.check(session(4, key=f"honest{k}"), final=True) for k in range(5))
+    # and the key cannot hide its own sessions by widening the band: it is judged by the others'
+    alarms = watch.check(session(0, positions=70, key="hostile"), final=True)
+    assert [(a.signal, a.side) for a in alarms] == [("routed_share", "low")]
+
+
+def test_nothing_is_judged_before_enough_keys():
+    """With sessions enough but fewer other keys than --alarm-min-keys, no session alarms; one more key, and
+    the odd one does. --alarm-min-keys 0: one key's sessions judge each other (a fleet behind one key)."""
+    watch = RoutingWatch(min_keys=5)
+    honest_fleet(watch, keys=4, sessions_each=10)
+    odd = session(60, key="odd")
+    assert watch.check(odd) == []  # four other keys
+    honest_fleet(watch, keys=5, sessions_each=1)
+    assert [a.side for a in watch.check(session(60, key="odd"))] == ["high"]
+    single = RoutingWatch(min_keys=0)
+    for i in range(20):
+        single.check(session(3 + i % 3, key="fleet"), final=True)
+    assert [a.side for a in single.check(session(60, key="fleet"))] == ["high"]
+
+
+def test_a_band_that_moved_follows_the_fleet_again():
+    """Alarmed sessions join the band (their key's part of it): when the whole fleet moves (a new router,
+    or a band poisoned by colluding keys), its sessions alarm for a while, then fit again."""
+    watch = RoutingWatch()
+    honest_fleet(watch, keys=6)
+    moved = [watch.check(session(30, key=f"honest{i % 6}"), final=True) for i in range(6 * 40)]
+    assert any(moved[:6]), "the fleet's move was not seen"
+    assert not any(moved[-12:]), "the band never followed the fleet"
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +132,9 @@ def stingy_server():
 
 @pytest.fixture()
 def watched_server(tmp_path):
-    """A new cloud (a fleet of its own) whose routing watch trusts its band after 3 sessions, with an
-    audit log."""
-    args = ["--alarm-min-sessions", "3", "--audit-dir", str(tmp_path)]
+    """A new cloud (a fleet of its own, behind one key) whose routing watch trusts its band after 3 sessions,
+    with an audit log."""
+    args = ["--alarm-min-sessions", "3", "--alarm-min-keys", "0", "--audit-dir", str(tmp_path)]
     with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
         yield server
 
@@ -153,3 +210,44 @@ def test_a_session_that_routes_unlike_the_fleet_raises_an_alarm(edge_model, watc
 
     alarmed = wait_for(alarmed, 5)  # the audit log is written after the connection closed
     assert len(alarmed) == 1 and alarmed[0]["flagged"] and "routed_share 0.00 is low" in alarmed[0]["alarms"][0]
+
+
+def test_one_keys_flood_raises_no_alarm_on_the_next_honest_session(edge_model, cloud_info, tmp_path):
+    """Issue 47 #4 as it was found: on a fresh server with the default watch and an audit log, one key
+    opens 20 sessions that each sync 70 device tokens and close; the next honest session ("describe how
+    a bicycle works", 128 tokens) raised `routed_share 0.04 is high (fleet band 0.00-0.01)` and its audit
+    entry was flagged. Now no alarm, nothing flagged, and the audit index names keys by digest only."""
+    hostile = "hostile-" + secrets.token_hex(4)
+    (tmp_path / "keys.txt").write_text(f"{hostile} name=hostile\n")
+    audit = tmp_path / "audit"
+    args = ["--api-keys", str(tmp_path / "keys.txt"), "--audit-dir", str(audit)]
+    with LocalCloudServer(model=DEFAULT_CLOUD_MODEL, extra_args=args) as server:
+        for _ in range(20):
+            with connect(server.url, open_timeout=10) as ws:
+                ws.send(hello_json(cloud_info, hostile, "what is the capital of france"))
+                acc = decode(ws.recv(timeout=30))
+                assert isinstance(acc, Accept), acc
+                ws.send(json.dumps({"type": "sync", "position": acc.n_prompt, "tokens": [28] * 70}))
+        # the product's device, as `tokenrouter-edge ask --max-tokens 128` runs it
+        opts = GeneratorOptions(cloud=server.url, api_key=server.api_key, seed=7, max_tokens=128)
+        gen = RoutedGenerator(edge_model, opts, lambda: CloudLink(server.url, server.api_key))
+        try:
+            question = [
+                {"role": "system", "content": opts.system_prompt},
+                {"role": "user", "content": "describe how a bicycle works"},
+            ]
+            answer = gen.generate(question)
+        finally:
+            gen.close()
+        assert answer.n_tokens >= 64 and answer.n_cloud_tokens > 0, answer.to_json()
+
+        def entries() -> list[dict]:
+            index = [json.loads(line) for p in audit.glob("*/index.jsonl") for line in p.open()]
+            return index if len(index) == 21 else []
+
+        index = wait_for(entries, 10)
+        assert len(index) == 21, index
+        assert metric(server, "tokenrouter_routing_alarms_total{") == 0
+    assert not [e for e in index if e["flagged"] or e.get("alarms")], index
+    assert {e["key_digest"] for e in index if e["key"] == "hostile"} == {digest(hostile)}
+    assert hostile not in "".join(p.read_text() for p in audit.glob("*/index.jsonl"))  # the digest, never the key

@@ -18,6 +18,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,13 +32,14 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from cloud_server.auth import digest
 from cloud_server.local import REPO_ROOT, LocalCloudServer
 from edge_client.answer import Answer
 from edge_client.cloud_link import CloudLink
 from edge_client.generator import RoutedGenerator
 from edge_client.options import GeneratorOptions
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, model_info
-from models.train.shards import read_shard, shard_paths
+from models.train.shards import Records, load_records, read_shard, shard_paths
 from shared.llama_backend import LlamaModel
 from shared.protocol import (
     Accept,
@@ -87,7 +89,7 @@ def close_frame(ws: ClientConnection, timeout: float = 15.0):
         return exc.rcvd
 
 
-def hidden_frame(request_id: int, position: int, width: int) -> bytes:
+def hidden_frame(request_id: int, position: int, width: int, value: float = 0.25) -> bytes:
     """A `generate` with a hidden state of `width` floats (what a device's model of that width sends)."""
     head = json.dumps(
         {
@@ -99,7 +101,7 @@ def hidden_frame(request_id: int, position: int, width: int) -> bytes:
             "hidden_dim": width,
         }
     ).encode()
-    return len(head).to_bytes(4, "big") + head + np.full(width, 0.25, dtype="<f2").tobytes()
+    return len(head).to_bytes(4, "big") + head + np.full(width, value, dtype="<f2").tobytes()
 
 
 def files_under(root: Path) -> set[Path]:
@@ -107,23 +109,6 @@ def files_under(root: Path) -> set[Path]:
 
 
 SHARD_NAME = re.compile(r"live-[0-9a-f]{12}-\d{8}-\d{6}-\d{5}\.npz(\.tmp\.npz)?")  # written, or being written
-
-
-def own_shards(records: Path, fingerprints: set[str], timeout: float = 10.0) -> list:
-    """The shards in `records` of the sessions that claimed `fingerprints`, once one of each is written.
-
-    The module's server is shared: another test's session may be flushed into the same folder at any
-    time, and a shard being written has a temporary name, so a test reads only the finished shards
-    of the edge models it made up (unique per test)."""
-
-    def mine() -> list:
-        shards = [read_shard(q) for q in shard_paths([records])]
-        found = [r for r in shards if r.meta["edge_fingerprint"] in fingerprints]
-        return found if {r.meta["edge_fingerprint"] for r in found} == fingerprints else []
-
-    found = wait_for(mine, timeout)
-    assert found, f"no shard of every edge model {sorted(fingerprints)} in {records}"
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -229,33 +214,61 @@ def test_a_cloud_span_that_spells_no_character_ends_at_its_last_whole_one(prod, 
 # --------------------------------------------------------------------------- 2, 3. the flywheel's record dir
 
 
-def test_a_session_with_mixed_hidden_widths_leaks_nothing_and_spoils_no_other_rows(prod, cloud_info, tree):
-    """Issue 29 #2: a 576-wide then a 10-wide hidden state, eight rounds (more than --max-sessions):
-    each session is released, and an honest session's rows under the same edge model are written."""
+def session_rows(records: Path, sessions: set[str], n: int, timeout: float = 10.0) -> Records:
+    """The flywheel's rows of `sessions` in `records`, once `n` of them are written (the shards are written
+    by the recorder's thread after the sessions close; other tests' rows in the same folder are not read)."""
+
+    def mine() -> Records | None:
+        parts = [read_shard(p) for p in shard_paths([records])]
+        parts = [r.subset(np.isin(r["session_id"], list(sessions))) for r in parts]
+        rows = [r for r in parts if len(r)]
+        if sum(len(r) for r in rows) < n:
+            return None
+        return Records({k: np.concatenate([r[k] for r in rows]) for k in rows[0].columns}, rows[0].meta)
+
+    found = wait_for(mine, timeout)
+    assert found is not None, f"fewer than {n} rows of sessions {sorted(sessions)} in {records}"
+    return found
+
+
+def dropped(server: LocalCloudServer, reason: str) -> float:
+    return metric(server, f'tokenrouter_flywheel_dropped_total{{reason="{reason}"}}')
+
+
+def test_a_session_with_mixed_hidden_widths_leaks_nothing_and_spoils_no_other_rows(prod, cloud_info, edge_info, tree):
+    """Issue 29 #2: a 576-wide then a 10-wide hidden state, nine rounds (more than --max-sessions): each
+    session is released. Issue 47 #5: the edge model is 576 wide, so the 10-wide rows are dropped and
+    counted; the 576-wide ones are kept beside an honest session's, each under its own session."""
     records = tree / "records"
-    shared_fp = "edge-model-" + os.urandom(3).hex()
+    width0 = dropped(prod, "width")
+    mine = set()
     for _ in range(9):
-        ws, acc = open_session(prod, HOSTILE, cloud_info, edge_model=shared_fp)
+        ws, acc = open_session(prod, HOSTILE, cloud_info, edge_model=edge_info.fingerprint)
+        mine.add(acc.session_id)
         ws.send(hidden_frame(1, acc.n_prompt, 576))
         assert isinstance(reply(ws), Tokens)
         ws.send(hidden_frame(2, acc.n_prompt + 1, 10))
         assert isinstance(reply(ws), Tokens)
         ws.close()
         no_sessions_left(prod)
-    ws, acc = open_session(prod, HONEST, cloud_info, edge_model=shared_fp)  # the server is not full
+    ws, acc = open_session(prod, HONEST, cloud_info, edge_model=edge_info.fingerprint)  # the server is not full
+    mine.add(acc.session_id)
     ws.send(hidden_frame(1, acc.n_prompt, 576))
     assert isinstance(reply(ws), Tokens)
     ws.close()
     no_sessions_left(prod)
-    widths = sorted((r.meta["n_embd"], len(r)) for r in own_shards(records, {shared_fp}))
-    assert sum(n for w, n in widths if w == 576) == 10, widths  # nine hostile rows and the honest one
-    assert sum(n for w, n in widths if w == 10) == 9, widths  # in shards of their own width
+    rows = session_rows(records, mine, 10)
+    assert len(rows) == 10 and rows["hidden"].shape[1] == 576  # nine hostile rows and the honest one
+    assert set(rows["session_id"]) == mine
+    assert dropped(prod, "width") - width0 == 9
 
 
 def test_record_file_names_come_from_a_digest_never_from_client_text(prod, cloud_info, tree):
-    """Issue 29 #3: an edge model fingerprint "/../../TRAV" wrote a shard two folders above the record dir."""
+    """Issue 29 #3: an edge model fingerprint "/../../TRAV" wrote a shard two folders above the record dir.
+    Such a model is no model the cloud knows: its rows are dropped (counted), and no path holds its text."""
     records = tree / "records"
     before = files_under(tree.parent)
+    unknown0 = dropped(prod, "unknown_model")
     tag = os.urandom(3).hex()  # this test's edge models, told apart from any other test's
     fps = {f"/../../TRAV{tag}", f"../TRAV2{tag}", f"x/../../../TRAV3{tag}", f"C:\\\\TRAV4{tag}", f"TRAV5\u00e9{tag}"}
     for fp in sorted(fps):
@@ -264,11 +277,51 @@ def test_record_file_names_come_from_a_digest_never_from_client_text(prod, cloud
         assert isinstance(reply(ws), Tokens)
         ws.close()
     no_sessions_left(prod)
-    assert len(own_shards(records, fps)) == len(fps)  # each session's row, under its own digest
+    assert dropped(prod, "unknown_model") - unknown0 == len(fps)
     new = files_under(tree.parent) - before
     assert all(p.parent == records or (tree / "audit") in p.parents for p in new), new
-    assert all(SHARD_NAME.fullmatch(p.name) for p in new if p.parent == records), new
+    assert all(SHARD_NAME.fullmatch(p.name) for p in files_under(records)), files_under(records)
     assert not any("TRAV" in str(p) for p in files_under(tree.parent)), "a client's text became part of a path"
+
+
+def test_crafted_rows_name_their_key_and_session_and_that_keys_rows_can_be_dropped(
+    prod, cloud_info, edge_info, tree, tmp_path
+):
+    """Issue 47 #5: a key that claims the honest device's edge model sent crafted rows (hidden states of
+    1234.0) into the shard beside the honest rows, with nothing to tell them apart. Each row now names
+    its key's digest and its session, and `tokenrouter-train drop-rows --key` removes that key's rows
+    from a copy of the record dir, leaving the honest session's rows."""
+    sessions = {}
+    for key, value, n in ((HONEST, 0.25, 3), (HOSTILE, 1234.0, 12)):
+        ws, acc = open_session(prod, key, cloud_info, edge_model=edge_info.fingerprint)
+        sessions[key] = acc.session_id
+        for i in range(n):
+            ws.send(hidden_frame(i + 1, acc.n_prompt + i, 576, value))
+            assert isinstance(reply(ws), Tokens)
+        ws.close()
+    no_sessions_left(prod)
+    rows = session_rows(tree / "records", set(sessions.values()), 15)
+    crafted = (rows["hidden"] == np.float16(1234.0)).all(axis=1)
+    assert crafted.sum() == 12
+    assert set(rows["key_digest"][crafted]) == {digest(HOSTILE)}
+    assert set(rows["session_id"][crafted]) == {sessions[HOSTILE]}
+    assert set(rows["key_digest"][~crafted]) == {digest(HONEST)}
+    copy = tmp_path / "records"  # the test's own copy: other tests' shards stay as they are
+    copy.mkdir()
+    for p in shard_paths([tree / "records"]):
+        shutil.copy(p, copy / p.name)
+    run = subprocess.run(
+        [sys.executable, "-m", "models.train.cli", "drop-rows", str(copy), "--key", digest(HOSTILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    left = load_records([copy]) if shard_paths([copy]) else None
+    kept = [read_shard(p) for p in shard_paths([copy])]
+    assert not any((r["key_digest"] == digest(HOSTILE)).any() for r in kept)
+    assert sum(int((r["session_id"] == sessions[HONEST]).sum()) for r in kept) == 3
+    assert left is not None and len(left) == sum(len(r) for r in kept)
 
 
 # --------------------------------------------------------------------------- 4. the abuse flag, once per session
@@ -779,4 +832,72 @@ def test_honest_devices_are_unchanged_beside_resource_abuse(prod, cloud_info, ed
         assert answer.tokens == ref.tokens, (kind, ref.text, answer.text)
     # the issue's bound, 1.5x the time alone, plus 0.5 s for this shared machine's noise; the best of three runs
     assert min(t for _, t in beside) <= 1.5 * t_alone + 0.5, (kind, t_alone, times)
+    no_sessions_left(prod)
+
+
+def test_a_burst_of_wide_hidden_states_blocks_neither_healthz_nor_an_honest_device(prod, cloud_info, edge, edge_info):
+    """Issue 47 #5: 512 generates with 65,536-wide hidden states under the honest device's edge model
+    (576 wide) had a 64 MiB shard compressed on the event loop: /healthz was blocked 5.4 s and the
+    honest device took 2.4x its time, with cloud timeouts. Now such rows are refused by width before
+    anything is kept, and shards are written by the recorder's thread: bursts of 120 such generates,
+    each closed (before, the close wrote their 15 MiB on the event loop: /healthz waited 912 ms),
+    beside /healthz (answers within 100 ms) and an honest device (its answer unchanged, not degraded,
+    within 1.5x its time alone plus 0.5 s of this machine's noise)."""
+    alone = [honest_answer(prod, edge) for _ in range(2)]
+    ref, t_alone = alone[0][0], min(t for _, t in alone)
+    width0 = dropped(prod, "width")
+    stop, bursts, worst = threading.Event(), [0], [0.0]
+
+    def burst() -> None:
+        rng = np.random.default_rng(1)
+        while not stop.is_set():
+            ws, acc = open_session(prod, HOSTILE, cloud_info, edge_model=edge_info.fingerprint)
+            try:
+                for i in range(120):
+                    head = json.dumps(
+                        {
+                            "type": "generate",
+                            "request_id": i + 1,
+                            "position": acc.n_prompt + i,
+                            "tokens": [],
+                            "proposed": 28,
+                            "hidden_dim": 65536,
+                        }
+                    ).encode()
+                    payload = rng.standard_normal(65536).astype("<f2").tobytes()
+                    ws.send(len(head).to_bytes(4, "big") + head + payload)
+                    assert isinstance(reply(ws, 60), Tokens)
+            finally:
+                ws.close()
+            bursts[0] += 1
+
+    def healthz() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            sessions(prod)
+            worst[0] = max(worst[0], time.perf_counter() - t0)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (burst, healthz)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        beside = [honest_answer(prod, edge) for _ in range(3)]
+        assert wait_for(lambda: bursts[0] >= 2, 120), "the bursts did not run"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    times = [round(t, 2) for _, t in beside]
+    print(
+        f"wide bursts: {bursts[0]}, /healthz worst {worst[0] * 1000:.0f} ms, honest alone {t_alone:.2f} s, "
+        f"beside {times}"
+    )
+    assert worst[0] < 0.1, f"/healthz took {worst[0] * 1000:.0f} ms beside the bursts"
+    assert dropped(prod, "width") - width0 >= 240  # every wide row refused, counted
+    for answer, _ in beside:
+        assert not answer.degraded and answer.cloud_timeouts == 0, answer.to_json()
+        assert answer.tokens == ref.tokens, (ref.text, answer.text)
+    assert min(t for _, t in beside) <= 1.5 * t_alone + 0.5, (t_alone, times)
     no_sessions_left(prod)

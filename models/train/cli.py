@@ -1,4 +1,4 @@
-"""`tokenrouter-train`: label | fit | eval | reproduce.
+"""`tokenrouter-train`: label | fit | eval | recheck | reproduce | drop-rows.
 
 tokenrouter-train label --split train:240 --split oos_train:40 --out labels/train
 tokenrouter-train fit --train labels/train --val labels/val --out router.npz
@@ -6,6 +6,7 @@ tokenrouter-train eval --split val --limit 40 --json
 tokenrouter-train eval --limit 8 --fraction 0.3 --lookahead learned --verify learned \
     --verify-from after-first-clause --cloud-engine http://127.0.0.1:8000/v1   # + the remote engine's decisions
 tokenrouter-train reproduce      # label + fit the shipped router for the default pair
+tokenrouter-train drop-rows records/ --key sha256:...   # the flywheel's rows of one key (or --session ID)
 tokenrouter-train label --edge-model smollm2-135m-q3_k_s --cloud-model gemma3-270m ...  # a mixed pair:
     labels in the cloud's NLL of the text (text_label.py); fit as usual; eval runs the text-mode curve
 """
@@ -28,6 +29,7 @@ from models.train.label import LabelOptions, label
 from models.train.prompts import clinc_prompts, file_prompts, parse_split_spec
 from models.train.recheck import rerecord
 from models.train.report import write_report
+from models.train.shards import drop_rows
 from models.train.text_eval import TextEvalOptions, evaluate_text
 from shared.decision import TIE_NATS
 from shared.decision_engine import BUILTIN_ENGINE
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_recheck_parser(sub)
     _add_reproduce_parser(sub)
+    _add_drop_rows_parser(sub)
     return ap
 
 
@@ -287,6 +290,22 @@ def _add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
         help=f"default: build/train/{DEFAULT_ROUTER.name} (the shipped one is {DEFAULT_ROUTER.relative_to(REPO_ROOT)})",
     )
     p.add_argument("--threads", type=int, default=1)
+
+
+def _add_drop_rows_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drop-rows", help="remove one key's (or one session's) rows from the flywheel's shards, in place"
+    )
+    p.add_argument("shards", nargs="+", help="shard files or directories (the server's --record-dir)")
+    p.add_argument(
+        "--key", help="the API key, or its digest as `tokenrouter-cloud hash-key` and the audit log print it"
+    )
+    p.add_argument("--session", help="a session id (the audit log's session_id)")
+
+
+def cmd_drop_rows(args: argparse.Namespace) -> None:
+    dropped, changed = drop_rows(args.shards, key=args.key, session=args.session)
+    print(f"dropped {dropped} rows from {changed} shards")
 
 
 def cmd_label(args: argparse.Namespace) -> None:
@@ -499,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
             "eval": cmd_eval,
             "recheck": cmd_recheck,
             "reproduce": cmd_reproduce,
+            "drop-rows": cmd_drop_rows,
         }
         commands[args.command](args)
     except (ValueError, FileNotFoundError, ModelNotFoundError) as exc:

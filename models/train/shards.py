@@ -18,6 +18,13 @@ One shard holds N positions:
                                        (a shard older than the column)
     meta         JSON string           edge/cloud fingerprints, source, label rule
 
+Live rows (the cloud's flywheel) also name where they came from, so that one client's rows can be
+found and dropped (`drop_rows`, `tokenrouter-train drop-rows`); `fit` does not read them:
+
+    key_digest   str     [N]           "sha256:<hex>" of the API key that sent the row (as the audit
+                                       log and `tokenrouter-cloud hash-key` write it); "" unknown
+    session_id   str     [N]           the cloud session that sent it; "" unknown
+
 Both `tokenrouter-train label` and the cloud's flywheel write this format, so
 `fit` reads either. Writes are atomic (temp file, then rename): a shard that
 exists is complete, which is what makes labelling resumable.
@@ -25,6 +32,7 @@ exists is complete, which is what makes labelling resumable.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +69,9 @@ _DTYPES = {
 }
 
 
+ORIGIN = ("key_digest", "session_id")  # live rows' origin: read where present ("" where not), never concatenated
+
+
 class ShardError(ValueError):
     """Shards that cannot be read or do not belong together."""
 
@@ -94,6 +105,7 @@ def make_records(rows: dict[str, list | np.ndarray], meta: dict[str, Any]) -> Re
     out is filled."""
     n = len(rows["proposed"])
     cols = {k: np.asarray(rows[k] if k in rows else np.full(n, OPTIONAL[k]), dtype=_DTYPES[k]) for k in COLUMNS}
+    cols.update({k: np.asarray(rows[k], dtype=str) for k in ORIGIN if k in rows})
     bad = [k for k, v in cols.items() if len(v) != n]
     if bad:
         raise ShardError(f"columns {bad} do not have {n} rows")
@@ -116,9 +128,35 @@ def read_shard(path: Path) -> Records:
             cols = {
                 k: z[k] if k in z.files or k not in OPTIONAL else np.full(n, OPTIONAL[k], _DTYPES[k]) for k in COLUMNS
             }
+            cols.update({k: z[k] if k in z.files else np.full(n, "") for k in ORIGIN})
     except (OSError, KeyError, ValueError) as exc:
         raise ShardError(f"{path} is not a training shard ({exc})") from None
     return Records(cols, meta)
+
+
+def drop_rows(sources: list[str | Path], key: str | None = None, session: str | None = None) -> tuple[int, int]:
+    """Remove the rows of one key (a key or its "sha256:<hex>" digest) and/or one session from the shards in
+    `sources`: each shard that held some is rewritten without them (atomically), or deleted when none are
+    left. Returns (rows dropped, shards changed). Shards without origin columns hold no such rows."""
+    if key is None and session is None:
+        raise ShardError("name the rows to drop: a key (--key) or a session (--session)")
+    digest = key if key is None or key.startswith("sha256:") else "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    dropped = changed = 0
+    for path in shard_paths(sources):
+        records = read_shard(path)
+        hit = np.ones(len(records), dtype=bool)
+        if digest is not None:
+            hit &= records["key_digest"] == digest
+        if session is not None:
+            hit &= records["session_id"] == session
+        if not hit.any():
+            continue
+        if hit.all():
+            path.unlink()
+        else:
+            write_shard(path, records.subset(~hit))
+        dropped, changed = dropped + int(hit.sum()), changed + 1
+    return dropped, changed
 
 
 def shard_paths(sources: list[str | Path]) -> list[Path]:
