@@ -163,6 +163,7 @@ def _key_checker(config: ServerConfig) -> KeyChecker:
         max_cloud_fraction=config.key_max_cloud_fraction,
         kv_churn_per_minute=config.key_kv_churn_per_minute,
         explore_per_minute=config.key_explore_per_minute,
+        engine_seconds_per_minute=config.key_engine_seconds_per_minute,
     )
     return KeyChecker(config.api_keys, insecure=config.insecure, default=default_key)
 

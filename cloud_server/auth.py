@@ -16,6 +16,7 @@ _LIMITS = (  # KeyPolicy's limits
     "max_cloud_fraction",
     "kv_churn_per_minute",
     "explore_per_minute",
+    "engine_seconds_per_minute",
 )
 _INT_LIMITS = ("max_sessions", "tokens_per_minute", "kv_churn_per_minute", "explore_per_minute")
 
@@ -39,7 +40,7 @@ def load_keys(path: str | None) -> list[str]:
 
 def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
     """'KEY [name=N] [max_sessions=N] [tokens_per_minute=N] [max_cloud_fraction=F] [kv_churn_per_minute=N]
-    [explore_per_minute=N]' -> (digest, policy)."""
+    [explore_per_minute=N] [engine_seconds_per_minute=F]' -> (digest, policy)."""
     key, *opts = line.split()
     d = key if key.startswith("sha256:") else digest(key)
     fields: dict[str, object] = {"name": "key-" + d[7:15], "digest": d}
@@ -50,14 +51,14 @@ def _parse_line(line: str, default: KeyPolicy) -> tuple[str, KeyPolicy]:
                 fields["name"] = value
             elif name in _INT_LIMITS and sep:
                 fields[name] = int(value)
-            elif name == "max_cloud_fraction" and sep:
+            elif name in ("max_cloud_fraction", "engine_seconds_per_minute") and sep:
                 fields[name] = float(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(
                 f"API key entry {fields['name']}: bad option {opt!r}; use name=, max_sessions=, tokens_per_minute=, "
-                "max_cloud_fraction=, kv_churn_per_minute= or explore_per_minute="
+                "max_cloud_fraction=, kv_churn_per_minute=, explore_per_minute= or engine_seconds_per_minute="
             ) from None
     base = {f: getattr(default, f) for f in _LIMITS}
     base.update(fields)

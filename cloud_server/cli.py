@@ -111,6 +111,18 @@ def _add_connection_limits(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
     """What one connection may ask and how long it may idle or leave replies unread."""
     g.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
     g.add_argument(
+        "--max-prompt-messages",
+        type=int,
+        default=d.max_prompt_messages,
+        help="messages a hello's prompt may hold (more: reject bad_field, before the template runs)",
+    )
+    g.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=d.max_prompt_bytes,
+        help="bytes of text a hello's prompt may hold (more: reject bad_field, before it is tokenized)",
+    )
+    g.add_argument(
         "--max-messages-per-s", type=float, default=d.max_messages_per_s, help="per connection (bursts of 2x)"
     )
     g.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
@@ -157,6 +169,13 @@ def _add_key_quotas(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
         default=d.key_explore_per_minute,
         help="default per-key exploration requests per minute (devices' --explore); past it they are declined "
         "(explore_limited) and the device writes the position. 0: none",
+    )
+    g.add_argument(
+        "--key-engine-seconds-per-minute",
+        type=float,
+        default=d.key_engine_seconds_per_minute,
+        help="default per-key engine seconds per minute its sessions may use (prefills of hellos and syncs, hard "
+        "tokens, verifies); past it they wait until the budget refills (embedded engine). Default: no limit",
     )
     g.add_argument(
         "--alarm-quantile",
@@ -284,6 +303,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_layout=args.kv_layout,
         n_gpu_layers=args.n_gpu_layers,
         max_tokens_per_request=args.max_tokens_per_request,
+        max_prompt_messages=args.max_prompt_messages,
+        max_prompt_bytes=args.max_prompt_bytes,
         max_messages_per_s=args.max_messages_per_s,
         idle_timeout_s=args.idle_timeout_s,
         send_timeout_s=args.send_timeout_s,
@@ -294,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         key_max_cloud_fraction=args.key_max_cloud_fraction,
         key_kv_churn_per_minute=args.key_kv_churn_per_minute,
         key_explore_per_minute=args.key_explore_per_minute,
+        key_engine_seconds_per_minute=args.key_engine_seconds_per_minute,
         alarm_quantile=args.alarm_quantile,
         alarm_min_sessions=args.alarm_min_sessions,
         alarm_min_keys=args.alarm_min_keys,

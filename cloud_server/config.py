@@ -22,6 +22,9 @@ class ServerConfig:
     max_sessions: int = 16  # open sessions (connections past hello)
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_tokens_per_request: int = 512
+    # a hello's prompt, priced before it is read (cloud_server/session.py): its messages and their text in bytes
+    max_prompt_messages: int = 256
+    max_prompt_bytes: int = 64 << 10
     max_errors_per_connection: int = 32  # then the connection is closed
     idle_timeout_s: float = 300.0  # a connection silent this long is closed
     send_timeout_s: float = 30.0  # a device that reads nothing this long is disconnected (slow reader)
@@ -51,6 +54,8 @@ class ServerConfig:
     key_max_cloud_fraction: float | None = None
     key_kv_churn_per_minute: int | None = 8192  # KV cells a key's sessions may make others recompute per minute
     key_explore_per_minute: int | None = 60  # exploration requests a key's sessions may make per minute
+    # engine seconds a key's sessions may use per minute (cloud_server/fair_share.py); past it they wait
+    key_engine_seconds_per_minute: float | None = None
     abuse_warmup_tokens: int = 32
     # the routing watch (cloud_server/routing_watch.py): alarm when a session's rates leave the fleet's band
     alarm_quantile: float = 0.01  # the band holds all but this share of sessions on each side

@@ -140,8 +140,11 @@ class CloudEngine(EngineBase[SeqState]):
         `owner`: whose KV churn budget pays for the evictions it causes (cloud_server/kv_pool.py) and
         whose account at the engine its time is charged to (cloud_server/fair_share.py)."""
         name = owner.name if owner is not None else ""
+        budget = owner.engine_seconds_per_minute if owner is not None else None
         return self._add(
-            lambda h: SeqState(self.pool.add(h, owner), list(prompt), Sampler(sampling), use=self.fair.join(name, h))
+            lambda h: SeqState(
+                self.pool.add(h, owner), list(prompt), Sampler(sampling), use=self.fair.join(name, h, budget)
+            )
         )
 
     def demote(self, owner: str) -> None:

@@ -133,11 +133,13 @@ class Capabilities:
 
 @dataclass(frozen=True, slots=True)
 class Owner:
-    """Who a session belongs to (its API key's name) and the KV churn its sessions may force on others:
-    KV cells per minute that evictions they cause make other sessions recompute (None: no limit)."""
+    """Who a session belongs to (its API key's name), the KV churn its sessions may force on others (KV
+    cells per minute that evictions they cause make other sessions recompute) and the engine time they
+    may use per minute (cloud_server/fair_share.py); None: no limit."""
 
     name: str = ""
     kv_churn_per_minute: int | None = None
+    engine_seconds_per_minute: float | None = None  # engine time its sessions may use (None: no limit)
 
 
 @runtime_checkable

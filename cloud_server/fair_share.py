@@ -13,13 +13,22 @@ it was away, nor gain any by opening more sessions). A heavy key's sessions take
 per-session tokens of a step (`Usage.chunk`), so a device that comes to the engine while they
 have it waits a short chunk only.
 
+**A budget per key** (`Usage.spend`, the key's `engine_seconds_per_minute`): everything the engine
+does for a key's sessions is charged to it (every decode's share by tokens: prefills of hellos,
+resumes and syncs, hard tokens; each piece of a verify), from a bucket of that many engine seconds
+refilled at that rate per minute. A key in debt waits: none of its sessions is served, whoever
+else is waiting or not, until the refill has paid the debt. Slowing down falls on its sessions only.
+
 The batch stepper (cloud_server/batch_stepper.py) asks `FairShare.turns` whose turn it is.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterable
+
+log = logging.getLogger(__name__)
 
 FAIR_SLICE_S = 0.05  # engine seconds a key may run ahead of the least-served key at work
 ANTICIPATE_S = 0.5  # a key that had work queued this recently still counts as at work (a device thinking)
@@ -31,12 +40,44 @@ HEAVY_CHUNK = 4  # a heavy key's sessions take 1/HEAVY_CHUNK of the per-session 
 class Usage:
     """One owner's (API key's) account at the engine, shared by its sessions (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "", seconds_per_minute: float | None = None) -> None:
+        self.name = name
         self.vtime = 0.0  # engine seconds charged (fair queueing)
         self.last_busy = -float("inf")  # when one of its sessions last had a request queued (monotonic)
         self.heavy_until = 0.0  # heavy (it asked for work longer than one chunk) until then
         self.served_at = 0.0  # when it was last given a turn
         self.sessions = 0
+        self.per_minute = seconds_per_minute  # its engine-time budget (None: no limit)
+        self.credit = seconds_per_minute or 0.0  # engine seconds it may still use; < 0: in debt, it waits
+        self.credit_t = time.monotonic()
+        self.debts = 0  # times it went into debt (each logged once)
+
+    def spend(self, seconds: float) -> None:
+        """`seconds` of engine time used by one of its sessions: charged to fair queueing and to its budget."""
+        self.vtime += seconds
+        if self.per_minute is not None:
+            was = self._refill(time.monotonic())
+            self.credit -= seconds
+            if was >= 0 > self.credit:
+                self.debts += 1
+                log.warning(
+                    "key %s used its %g engine seconds per minute; its sessions wait %.1f s",
+                    self.name,
+                    self.per_minute,
+                    self.wait(time.monotonic()),
+                )
+
+    def wait(self, now: float) -> float:
+        """Seconds until its debt is paid (0: within its budget; inf: a budget of 0 once spent)."""
+        if self.per_minute is None or self._refill(now) >= 0:
+            return 0.0
+        return -self.credit * 60.0 / self.per_minute if self.per_minute > 0 else float("inf")
+
+    def _refill(self, now: float) -> float:
+        assert self.per_minute is not None
+        self.credit = min(self.per_minute, self.credit + (now - self.credit_t) * self.per_minute / 60.0)
+        self.credit_t = now
+        return self.credit
 
     def heavy(self, now: float) -> bool:
         return now < self.heavy_until
@@ -58,10 +99,14 @@ class FairShare:
         self._vclock = 0.0  # the least-served busy key's engine time, never decreasing (fair queueing)
         self._uses: dict[str, Usage] = {}  # by owner name (or "#handle" for a session without an owner)
 
-    def join(self, owner_name: str, handle: int) -> Usage:
+    def join(self, owner_name: str, handle: int, seconds_per_minute: float | None = None) -> Usage:
         """Session `handle` of `owner_name` ("": nobody) opens: its key's account, at work from now
-        (its prompt's prefill comes next)."""
-        use = self._uses.setdefault(owner_name or f"#{handle}", Usage())  # no owner: the session alone
+        (its prompt's prefill comes next). `seconds_per_minute`: the key's engine-time budget."""
+        name = owner_name or f"#{handle}"  # no owner: the session alone
+        use = self._uses.get(name)
+        if use is None:
+            use = self._uses[name] = Usage(name, seconds_per_minute)
+        use.per_minute = seconds_per_minute  # the key file's latest word
         use.sessions += 1
         self.wake(use, time.monotonic())
         return use
@@ -92,9 +137,10 @@ class FairShare:
         decode costs little), and `first`, those within FAIR_SLICE_S of engine time of the
         least-served, take the budget before the others and alone may run a TURN (a verify's piece,
         which lengthens the step for everyone)."""
+        now = time.monotonic()
+        busy = {h: u for h, u in busy.items() if not u.wait(now)}  # a key in debt waits (module docstring)
         if not busy:
             return set(), set()
-        now = time.monotonic()
         for use in busy.values():
             self.wake(use, now)
         at_work = {id(u): u for u in open_uses if now - u.last_busy < ANTICIPATE_S}

@@ -32,6 +32,7 @@ class KeyPolicy:
     max_cloud_fraction: float | None = None
     kv_churn_per_minute: int | None = None  # KV cells its sessions may make others recompute (cloud_server/kv_pool.py)
     explore_per_minute: int | None = None  # exploration requests its sessions may make (shared/decision_engine.py)
+    engine_seconds_per_minute: float | None = None  # engine time its sessions may use (cloud_server/fair_share.py)
 
 
 class QuotaExceeded(Exception):

@@ -41,7 +41,7 @@ class SeqState:
 
     def charge(self, seconds: float) -> None:
         """`seconds` of engine time used by this session, charged to its owner."""
-        self.use.vtime += seconds
+        self.use.spend(seconds)
 
     def count_pass(self, kind: str, n_tokens: int) -> None:
         """One forward pass that processed `n_tokens` of this session's tokens for `kind` (a Work field)."""

@@ -32,12 +32,12 @@ session and text messages in a token session (`out_of_order`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Awaitable, Callable, NoReturn
 
 from cloud_server.answer import SharedAnswer, Verb, verbs_of
 from cloud_server.auth import KeyChecker
+from cloud_server.client_work import off_loop
 from cloud_server.config import ServerConfig
 from cloud_server.engine_api import EngineFull, Owner, Worker
 from cloud_server.flywheel import recorder_for
@@ -95,6 +95,7 @@ class Connection:
         self.recorder = recorder_for(config, info)  # None unless --record-dir (built by create_app)
         self.services = services or Services()
         self.edge_model = ""
+        self._resuming = False  # a `resume` hello, counted once the device's first request here is served
 
     @property
     def session_id(self) -> str:
@@ -114,7 +115,11 @@ class Connection:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"first message must be hello, got {msg.type}")
         verb = self._verbs.get(type(msg))
         if verb is not None:
-            return await verb(msg)
+            await verb(msg)
+            if self._resuming:  # the device rebuilt its answer here: a session resumed
+                self._resuming = False
+                self.services.metrics.resumed.inc()
+            return
         if isinstance(msg, ANSWER_MESSAGES):
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{msg.type} {self.answer.other_mode}")
         if isinstance(msg, Close):
@@ -166,8 +171,9 @@ class Connection:
                 base_model=not self.info.chat,
             )
         )
-        if msg.resume:  # a failover: the device lost its replica mid-answer and rebuilds the session here
-            self.services.metrics.resumed.inc()
+        # a failover: the device lost its replica mid-answer and rebuilds the session here; counted once it
+        # asks something of it (a hello alone, closed at once, resumed nothing)
+        self._resuming = msg.resume
         await acct.prefill()
 
     async def _admit(self, msg: Hello) -> tuple[KeyPolicy, bool]:
@@ -181,6 +187,8 @@ class Connection:
         key = self.keys.identify(msg.api_key)
         if key is None:
             await self._reject(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
+        if (too_long := self._price_prompt(msg.messages)) is not None:
+            await self._reject(ErrorCode.BAD_FIELD, too_long, "prompt_too_long")
         same_vocab = msg.tokenizer == self.info.tokenizer_fingerprint
         text_mode = (
             self.caps.text
@@ -198,6 +206,19 @@ class Connection:
             )
         return key, text_mode
 
+    def _price_prompt(self, messages: list[dict]) -> str | None:
+        """Why the hello's prompt is refused before it is read (`--max-prompt-messages`, `--max-prompt-bytes`),
+        or None. The chat template and the tokenizer take time in proportion to both, and a prompt longer than
+        that is no device's: one that fits the default 8192 KV cells is at most ~32 KiB of English."""
+        limit = self.config.max_prompt_messages
+        if len(messages) > limit:
+            return f"hello: field 'messages' holds {len(messages)} messages; this server takes at most {limit}"
+        limit = self.config.max_prompt_bytes
+        n = sum(len(m["content"].encode()) + len(m["role"]) for m in messages)
+        if n > limit:
+            return f"hello: field 'messages' holds {n} bytes of text; this server takes at most {limit}: shorten the prompt"
+        return None
+
     async def _open(self, msg: Hello, key: KeyPolicy) -> tuple[list[int], int]:
         """One of the key's sessions and an engine session for the hello's prompt, or a reject:
         (the prompt's tokens, the engine's handle). A failure releases the key's session."""
@@ -207,10 +228,14 @@ class Connection:
         except QuotaExceeded as exc:
             await self._reject(ErrorCode.BUSY, exc.reason, exc.kind)
         try:
-            # the template and the tokenizer read only the vocabulary: off the engine thread, whose time is shared
-            prompt = await asyncio.to_thread(self.engine.chat_tokens, msg.messages)
+            # the template and the tokenizer read only the vocabulary: off the event loop and the engine thread,
+            # whose time is shared (the prompt's size was priced at `_admit`)
+            prompt = await off_loop(self.engine.chat_tokens, msg.messages)
             handle = await self.worker.call(
-                self.engine.open, prompt, sampling, Owner(key.name, key.kv_churn_per_minute)
+                self.engine.open,
+                prompt,
+                sampling,
+                Owner(key.name, key.kv_churn_per_minute, key.engine_seconds_per_minute),
             )
         except EngineFull as exc:
             self.services.quotas.close_session(key)

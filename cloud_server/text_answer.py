@@ -32,6 +32,8 @@ from shared.protocol import (
 )
 from shared.text_history import on_char_boundary
 
+PROPOSED_TOKENS = 4  # `proposed_text` spells one device token: at most this many of the cloud's longest
+
 
 class TextAnswer(SharedAnswer):
     """One session's answer as text, and the engine history that follows it (`TextSession`)."""
@@ -56,6 +58,43 @@ class TextAnswer(SharedAnswer):
     def capabilities(self) -> list[str]:
         """What text mode supports (docs/protocol.md): hard positions, and the check where the engine can."""
         return [CAP_GENERATE, CAP_GUESS] + [CAP_VERIFY] * self.caps.verify
+
+    def _price_proposal(self, proposed_text: str) -> None:
+        """Refuse a `proposed_text` longer than a device token can be, before it is read: it is the text of
+        one token of the device's, which another tokenizer may spell longer than this model's longest token,
+        but not `PROPOSED_TOKENS` times longer."""
+        longest = self.text.view.max_token_bytes or 256
+        limit = PROPOSED_TOKENS * longest
+        if len(proposed_text.encode()) > limit:  # (the frame's size, already read once when it was decoded)
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text_generate: proposed_text holds more than {limit} bytes; it is the text of one token of the "
+                f"device's (this model's longest spells {longest} bytes)",
+                field="proposed_text",
+            )
+
+    def _price_check(self, msg: TextVerify) -> None:
+        """Refuse a check that must judge more of the cloud's tokens than one check may carry, from its sizes
+        alone, before any tokenizing or planning: more flagged ranges than that (an honest device flags one
+        per drafted token of its own, a dozen or so), or more text than that many of the longest token spell."""
+        limit = self.caps.max_verify_tokens
+        n_ranges = len(msg.check) // 2
+        if n_ranges > limit:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text_verify: check holds {n_ranges} flagged ranges; at most {limit} per check: check a shorter draft",
+                field="check",
+            )
+        longest = self.text.view.max_token_bytes
+        n_bytes = len(msg.text.encode())  # (the frame's size, already read once when it was decoded)
+        fewest = -(-n_bytes // longest) + msg.eog if longest > 0 else 0
+        if fewest > limit:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text_verify: {n_bytes} bytes of drafted text take at least {fewest} of the cloud's tokens; at most "
+                f"{limit} per check: check a shorter draft",
+                field="text",
+            )
 
     def _check_bytes(self, mtype: str, byte_position: int) -> None:
         if byte_position != len(self.text.text):
@@ -101,6 +140,7 @@ class TextAnswer(SharedAnswer):
         """A hard position in text mode: the device's text, then the cloud's span (or stream)."""
         self._check_bytes("text_generate", msg.byte_position)
         check_max_tokens(msg.max_tokens, self.max_tokens)
+        self._price_proposal(msg.proposed_text)
         acct = self.acct
         if msg.explore:
             acct.admit_explore()
@@ -155,6 +195,7 @@ class TextAnswer(SharedAnswer):
         check_can_verify(self.caps, "text_verify", "text_generate")
         self._check_bytes("text_verify", msg.byte_position)
         check_max_tokens(msg.max_tokens, self.max_tokens)
+        self._price_check(msg)
         acct = self.acct
         acct.admit_hard_tokens(1)
         flagged = list(zip(msg.check[::2], msg.check[1::2]))

@@ -29,10 +29,10 @@ counts; this module only moves the text and the engine's history. It runs only o
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from cloud_server.client_work import off_loop
 from cloud_server.engine_api import EngineFull, GenerateResult, NotSupported, TextEngine, Worker
 from shared.text_history import (
     DONE,
@@ -79,10 +79,10 @@ class TextSession:
         Why here: what the server refuses it must neither keep nor re-read. A text too long for the
         KV cells is refused from its length alone (no tokenizer splits fewer than
         `AnswerText.fewest_tokens` bytes per token), so a megabyte costs nothing; shorter text is
-        tokenized off the engine thread (the tokenizer only reads the vocabulary)."""
+        tokenized off the event loop and the engine thread (the tokenizer only reads the vocabulary)."""
         self._refuse_if_too_long(text)
         held = self.engine.history(self.handle)[self.n_prompt :]
-        keep, add = await asyncio.to_thread(self.view.reconcile, held, text)
+        keep, add = await off_loop(self.view.reconcile, held, text)
         if self.max_history and self.n_prompt + keep + len(add) > self.max_history:
             raise EngineFull(self._too_long(keep + len(add)))
         return keep, add
@@ -192,10 +192,11 @@ class TextSession:
         hands `emit` the span written after the kept bytes (empty when all were kept) and how
         many drafted bytes were kept. On an error the caller rolls back to the text before."""
         engine, worker, handle = self.engine, self.worker, self.handle
-        self._refuse_if_too_long(self.text + drafted)  # before any work that grows with the text
+        self._refuse_if_too_long(self.text + drafted)  # before any work that grows with the text (and the
+        # answer priced the check's sizes: cloud_server/text_answer.py)
         history = engine.history(handle)
-        try:
-            plan = await worker.call(
+        try:  # off the engine thread (it only reads the vocabulary), stopped at the first draft too many
+            plan = await off_loop(
                 plan_check,
                 self.view,
                 history[self.n_prompt :],
@@ -204,11 +205,10 @@ class TextSession:
                 flagged,
                 engine.eog_token() if eog else -1,
                 check_eog,
+                max_verify_tokens,
             )
-        except ValueError as exc:
+        except ValueError as exc:  # TooManyDrafts too
             raise NotSupported(f"text_verify: {exc}") from None
-        if len(plan.drafts) > max_verify_tokens:
-            raise NotSupported(f"text_verify: at most {max_verify_tokens} of the cloud's tokens per check")
         if self.n_prompt + plan.keep < len(history):
             await worker.call(engine.rollback, handle, self.n_prompt + plan.keep)
         engine.append(handle, plan.context)

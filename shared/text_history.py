@@ -369,6 +369,8 @@ class AnswerText:
         this side, or -1 when it is none or several (then there is nothing to tie with)."""
         if not proposed or complete_utf8(proposed) != len(proposed):
             return -1
+        if self.max_token_bytes and len(proposed) > self.max_token_bytes:
+            return -1  # longer than any token of this side: not one token, whatever it says (nothing read)
         ids = self._tokenize(((b"" if text else self.seam) + proposed).decode("utf-8"))
         return ids[0] if len(ids) == 1 else -1
 
@@ -408,6 +410,10 @@ class TextCheck:
         return start >= 0 and self.accepted_bytes(accepted) == start
 
 
+class TooManyDrafts(ValueError):
+    """A check would judge more of the cloud's tokens than one check may carry (`plan_check`'s `max_drafts`)."""
+
+
 def plan_check(
     view: AnswerText,
     held: Sequence[int],
@@ -416,33 +422,43 @@ def plan_check(
     flagged: Sequence[tuple[int, int]],
     eog_token: int = -1,
     eog_exact: bool = False,
+    max_drafts: int = 0,
 ) -> TextCheck:
     """The cloud's tokens of `shared` + `drafted` (module docstring, "The cloud's check"). `held`:
     the answer tokens the cloud's history holds (they spell `shared`); `flagged`: [start, end)
-    byte ranges of `drafted` the device's router flagged; `eog_token` >= 0: the device drafted the
-    answer's end after the text (judged as that token, exactly with `eog_exact`). ValueError if
-    the tokens do not spell the text back (then no byte of it can be placed)."""
+    byte ranges of `drafted` the device's router flagged, ascending and not overlapping;
+    `eog_token` >= 0: the device drafted the answer's end after the text (judged as that token,
+    exactly with `eog_exact`). ValueError if the tokens do not spell the text back (then no byte
+    of it can be placed); TooManyDrafts as soon as more than `max_drafts` (> 0) would be judged.
+
+    One pass over the tokens and the ranges together (both ascending), so a check costs the
+    length of its text plus its ranges, never their product."""
     target = view.tokens(shared + drafted)
     keep = common_prefix(held, target)
-    sizes = [len(view.token_bytes(t)) for t in target]
-    if b"".join(view.token_bytes(t) for t in target) != (view.seam + shared + drafted if target else b""):
+    pieces = [view.token_bytes(t) for t in target]
+    if b"".join(pieces) != (view.seam + shared + drafted if target else b""):
         raise ValueError("the model's tokens do not spell the answer text back")
     boundary = len(view.seam) + len(shared)  # where the drafted text starts in the tokens' bytes
-    end = sum(sizes[:keep])
+    end = sum(len(p) for p in pieces[:keep])
     context: list[int] = []
     drafts: list[int] = []
     exact: list[int] = []
     starts: list[int] = []
-    for token, size in zip(target[keep:], sizes[keep:]):
-        begin, end = end, end + size
+    r = 0  # the first flagged range that may still overlap a token from here on
+    for token, piece in zip(target[keep:], pieces[keep:]):
+        begin, end = end, end + len(piece)
         if end <= boundary and not drafts:
             context.append(token)
             continue
         lo, hi = begin - boundary, end - boundary
-        if any(lo < b and hi > a for a, b in flagged):
+        while r < len(flagged) and flagged[r][1] <= lo:
+            r += 1
+        if r < len(flagged) and flagged[r][0] < hi:
             exact.append(len(drafts))
         starts.append(lo)
         drafts.append(token)
+        if max_drafts and len(drafts) + (eog_token >= 0) > max_drafts:
+            raise TooManyDrafts(f"at most {max_drafts} of the cloud's tokens per check")
     if eog_token >= 0:
         if eog_exact:
             exact.append(len(drafts))

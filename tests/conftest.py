@@ -98,6 +98,7 @@ SLOW_MODULES = {
     "test_voice_e2e",
     # cloud servers on loopback (started by the module's own fixtures or tests)
     "test_server_abuse",
+    "test_server_price",
     "test_exploration",
     "test_failover",  # two replicas behind haproxy
     "test_cloud_server",
@@ -125,6 +126,7 @@ SERIAL_MODULES = {
     # failover, a load test, an emulated link's measured delay)
     "test_server_abuse",
     "test_server_hostile",
+    "test_server_price",
     "test_server_production",
     "test_failover",
     "test_server_loadtest",

@@ -11,6 +11,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import cast
@@ -231,3 +232,68 @@ def test_sampling_refuses_non_finite_logits_and_probabilities_by_name():
     masked = logits.copy()
     masked[:500] = -np.inf  # masked tokens are fine: only the best must be finite
     assert greedy.sample(masked) == 999 and 950 <= hot.sample(masked) <= 999
+
+
+# --------------------------------------------------------------------------- issue 47: prices and budgets
+
+
+def _char_view(max_token_bytes: int = 1):
+    """A view whose tokens are single characters (ids: code points), and its tokenizer's call count."""
+    from shared.text_history import AnswerText
+
+    calls = []
+
+    def tokenize(s: str) -> list[int]:
+        calls.append(len(s))
+        return [ord(c) for c in s]
+
+    return AnswerText(tokenize, lambda t: chr(t).encode(), max_token_bytes=max_token_bytes), calls
+
+
+def test_plan_check_marks_the_same_drafts_as_the_pairwise_rule_and_stops_at_the_limit():
+    from shared.text_history import TooManyDrafts, plan_check
+
+    view, _ = _char_view()
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(1, 60))
+        cuts = sorted({int(x) for x in rng.integers(0, n + 1, int(rng.integers(0, 12)))})
+        ranges = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
+        plan = plan_check(view, [], b"ab", b"x" * n, ranges)
+        pairwise = [i for i in range(n) if any(i < b and i + 1 > a for a, b in ranges)]
+        assert plan.exact == pairwise and len(plan.drafts) == n
+    with pytest.raises(TooManyDrafts, match="at most 8"):
+        plan_check(view, [], b"", b"x" * 9, [], max_drafts=8)
+    assert len(plan_check(view, [], b"", b"x" * 8, [], max_drafts=8).drafts) == 8
+
+
+def test_a_proposal_longer_than_any_token_is_none_without_tokenizing():
+    view, calls = _char_view(max_token_bytes=4)
+    assert view.proposal(b"", b"ab") == -1 and calls == [2]  # two tokens: read, none
+    assert view.proposal(b"", b"x" * 1_000_000) == -1 and calls == [2]  # past the longest token: not read
+
+
+def test_a_key_past_its_engine_budget_waits_and_others_are_served():
+    from cloud_server.fair_share import FairShare
+
+    fair = FairShare()
+    greedy, other = fair.join("greedy", 1, 6.0), fair.join("other", 2)
+    greedy.spend(5.0)
+    assert greedy.wait(time.monotonic()) == 0.0  # within its 6 engine seconds
+    greedy.spend(1.5)
+    wait = greedy.wait(time.monotonic())
+    assert 4.0 < wait <= 5.0 and greedy.debts == 1  # 0.5 s of debt repaid at 0.1 s a second
+    served, _ = fair.turns({1: greedy, 2: other}, [greedy, other])
+    assert served == {2}
+    served, _ = fair.turns({1: greedy}, [greedy, other])
+    assert served == set()  # it waits even when nobody else asks
+    other.spend(1000.0)
+    assert other.wait(time.monotonic()) == 0.0  # no budget: no limit
+
+
+def test_key_files_take_an_engine_budget():
+    keys = KeyChecker([f"{digest('alpha')} name=a engine_seconds_per_minute=2.5", "beta"], default=KeyPolicy())
+    assert keys.identify("alpha").engine_seconds_per_minute == 2.5
+    assert keys.identify("beta").engine_seconds_per_minute is None
+    with pytest.raises(ValueError, match="engine_seconds_per_minute="):
+        KeyChecker(["k engine_seconds_per_minute=lots"])
