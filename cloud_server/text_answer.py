@@ -101,9 +101,11 @@ class TextAnswer(SharedAnswer):
         """A hard position in text mode: the device's text, then the cloud's span (or stream)."""
         self._check_bytes("text_generate", msg.byte_position)
         check_max_tokens(msg.max_tokens, self.max_tokens)
+        with self.acct.exploring(msg.explore):  # refused here, an exploration was not made: its budget is given back
+            await self._generate(msg)
+
+    async def _generate(self, msg: TextGenerate) -> None:
         acct = self.acct
-        if msg.explore:
-            acct.admit_explore()
         acct.admit_hard_tokens(1)
         n = self._history_len()
         with engine_errors():
