@@ -10,9 +10,10 @@ FastAPI's /docs, /redoc and /openapi.json are served only with `--api-docs` (the
 server to anyone, key or not).
 
 Limits enforced per connection here, before a message reaches the protocol
-state machine: frame size (uvicorn's ws_max_size and our own check), message
-rate (token bucket), idle time, a deadline and caps before hello (cloud_server/hello_gate.py), slow readers: a send budget (`_SendBudget`) in
-bytes and time closes a connection whose unread replies pass
+state machine: connections without a session (a deadline, caps in all and per
+address: cloud_server/hello_gate.py), frame size (uvicorn's ws_max_size and our
+own check), message rate (token bucket), idle time, slow readers: a send budget
+(`_SendBudget`) in bytes and time closes a connection whose unread replies pass
 max_send_queue_bytes, or whose oldest unread reply is older than send_timeout_s
 (a send that blocks that long ends it too), so its output is never buffered
 without bound.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -248,6 +249,17 @@ def main(argv: list[str] | None = None) -> None:
     scheme = "wss" if args.ssl_certfile else "ws"
     print(f"{READY_LINE} url={scheme}://{args.host}:{port}/v1/route port={port}", flush=True)
     server.run(sockets=[sock])
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit once the server has shut down (sessions closed, engine stopped, the log written): the
+    interpreter's own teardown (freeing the model and every module, 0.6 s on the 2-core VM) would
+    otherwise spend most of the second a drain promises past its deadline (cloud_server/drain.py)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -9,12 +9,12 @@ replica from its own history and asks again (edge_client/cloud_session.py),
 so a drain costs a reconnect and a prefill, never a token. After `timeout_s`
 the rest are closed anyway (docs/server.md, "Failover").
 
-The deadline holds for every connection, HTTP included, whatever its client does: at the deadline
-every connection uvicorn still holds is aborted (a client that pipelines requests and never reads
-its responses once kept a drained server alive for good: a close waits for room in a buffer that
-client never empties), uvicorn's own shutdown waits at most `SHUTDOWN_GRACE_S` past it
-(`timeout_graceful_shutdown`), and a watchdog thread ends the process `FORCE_EXIT_S` past it
-should anything still hold it.
+The deadline holds for every connection, HTTP included, whatever its client does: `ABORT_AFTER_S`
+past it (time for the drain's own close frames to go out) every connection uvicorn still holds is
+aborted (a client that pipelines requests and never reads its responses once kept a drained server
+alive for good: a close waits for room in a buffer that client never empties), uvicorn's own
+shutdown cancels what still runs `SHUTDOWN_GRACE_S` past it (`timeout_graceful_shutdown`), and a
+watchdog thread ends the process `FORCE_EXIT_S` past it should anything still hold it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 GOING_AWAY = 1001
 DRAIN_REASON = "going away: this replica is draining; reconnect (another replica takes the session)"
-SHUTDOWN_GRACE_S = 0.3  # past the deadline, uvicorn cancels what still runs (connections were aborted at it)
-FORCE_EXIT_S = 0.7  # past the deadline, the watchdog ends the process (the promise: deadline + 1 s)
+ABORT_AFTER_S = 0.2  # past the deadline, every connection still open is aborted
+SHUTDOWN_GRACE_S = 0.4  # past the deadline, uvicorn cancels the requests' tasks that still run
+FORCE_EXIT_S = 0.8  # past the deadline, the watchdog ends the process (the promise: deadline + 1 s)
 
 
 @dataclass(slots=True)
@@ -146,11 +147,12 @@ class DrainingServer(uvicorn.Server):
 
     def _abort_at_deadline(self) -> None:
         assert self._loop is not None and self._deadline is not None
-        self._loop.call_later(max(0.0, self._deadline - time.monotonic()), self._abort_connections)
+        self._loop.call_later(max(0.0, self._deadline + ABORT_AFTER_S - time.monotonic()), self._abort_connections)
 
     def _abort_connections(self) -> None:
-        """The deadline: every connection still open is aborted, whatever it is doing (a close would
-        wait for a client that reads nothing to make room for it); its request's task then ends."""
+        """Just past the deadline: every connection still open is aborted, whatever it is doing (a
+        close would wait for a client that reads nothing to make room for it); its request's task
+        then ends."""
         left = list(self.server_state.connections)
         for conn in left:
             transport = getattr(conn, "transport", None)

@@ -8,8 +8,10 @@ most `max_total` wait at once, `max_per_address` of them from one address; one o
 closed at once (1013 "try again later", naming the cap). Checked in O(1) before any other work;
 HTTP routes (/healthz, /readyz) are not counted, so they answer with the caps reached.
 
-Behind a balancer or proxy every connection comes from the proxy's address: set
-`--max-pre-hello-per-address` to `--max-pre-hello` there (the proxy limits per client itself).
+The address is the one uvicorn reports: the peer's, or X-Forwarded-For's from a proxy it trusts
+(`FORWARDED_ALLOW_IPS`, 127.0.0.1 by default). Behind a balancer on another host every connection
+comes from the balancer's address: set `--max-pre-hello-per-address` to `--max-pre-hello` there
+(the balancer limits per client itself).
 """
 
 from __future__ import annotations
