@@ -6,10 +6,14 @@
     GET  /metrics   Prometheus text format (cloud_server/metrics.py)
     WS   /v1/route  the routing protocol (shared/protocol.py, docs/protocol.md)
 
+FastAPI's /docs, /redoc and /openapi.json are served only with `--api-docs` (they describe the
+server to anyone, key or not).
+
 Limits enforced per connection here, before a message reaches the protocol
-state machine: frame size (uvicorn's ws_max_size and our own check), message
-rate (token bucket), idle time, slow readers: a send budget (`_SendBudget`) in
-bytes and time closes a connection whose unread replies pass
+state machine: connections without a session (a deadline, caps in all and per
+address: cloud_server/hello_gate.py), frame size (uvicorn's ws_max_size and our
+own check), message rate (token bucket), idle time, slow readers: a send budget
+(`_SendBudget`) in bytes and time closes a connection whose unread replies pass
 max_send_queue_bytes, or whose oldest unread reply is older than send_timeout_s
 (a send that blocks that long ends it too), so its output is never buffered
 without bound.
@@ -41,6 +45,7 @@ from cloud_server.drain import DRAIN_REASON, GOING_AWAY, Drain
 from cloud_server.engine import CloudEngine
 from cloud_server.engine_api import Worker
 from cloud_server.flywheel import recorder_for
+from cloud_server.hello_gate import TRY_AGAIN_LATER, HelloGate, HelloWait
 from cloud_server.logs import ADMITTED, TRACEBACK_EVERY_S, TRACEBACKS, TracebackLimit
 from cloud_server.metrics import ServerMetrics
 from cloud_server.quotas import KeyPolicy, Quotas
@@ -139,7 +144,15 @@ def create_app(config: ServerConfig) -> FastAPI:
         if recorder is not None:  # the rows the last sessions left, written before the process ends
             await asyncio.to_thread(recorder.close)
 
-    app = FastAPI(title="TokenRouter cloud", version=str(PROTOCOL_VERSION), lifespan=lifespan)
+    docs = config.api_docs  # off by default: an API description is for the operator, not for anyone who asks
+    app = FastAPI(
+        title="TokenRouter cloud",
+        version=str(PROTOCOL_VERSION),
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.worker = worker
     app.state.services = services
 
@@ -244,14 +257,28 @@ class _RouteEndpoint:
         self.config, self.keys, self.info, self.worker = config, keys, info, worker
         self.services, self.metrics, self.drain = services, services.metrics, drain
         self.failures = _FailureLog(limit=TRACEBACKS)
+        self.hello_gate = HelloGate(config.max_pre_hello, config.max_pre_hello_per_address)
 
     async def serve(self, ws: WebSocket) -> None:
-        """One connection, from accept to close."""
-        config, drain = self.config, self.drain
+        """One connection, from accept to close; counted by the hello gate until its hello."""
+        address = ws.client.host if ws.client is not None else ""
+        refused = self.hello_gate.enter(address)  # O(1), before anything else: no hello yet, no key
         await ws.accept()
         self.metrics.connections.inc()
+        if refused:
+            self.metrics.rejections.labels("pre_hello_cap").inc()
+            await _close_socket(ws, TRY_AGAIN_LATER, refused, timeout_s=CLOSE_GRACE_S, linger=False)
+            return
+        hello = HelloWait(self.hello_gate, address, self.config.hello_timeout_s)
+        try:
+            await self._serve(ws, hello)
+        finally:
+            hello.done()
+
+    async def _serve(self, ws: WebSocket, hello: HelloWait) -> None:
+        config, drain = self.config, self.drain
         if drain.draining:  # accepted just before the listener closed: the device fails over at once
-            await _close_socket(ws, GOING_AWAY, DRAIN_REASON, timeout_s=CLOSE_GRACE_S)
+            await _close_socket(ws, GOING_AWAY, DRAIN_REASON, timeout_s=CLOSE_GRACE_S, linger=False)
             return
         key = id(ws)
         state = drain.register(key, lambda code, reason: _close_socket(ws, code, reason, timeout_s=CLOSE_GRACE_S))
@@ -260,7 +287,7 @@ class _RouteEndpoint:
         close: tuple[int, str] | None = (1000, "")  # the close frame to send; None: the client is gone
         farewell: Message | None = None  # sent after the session is freed, before the close frame
         try:
-            close = await self._converse(ws, conn, state, send)
+            close = await self._converse(ws, conn, state, send, hello)
         except _SlowReader as slow:  # nothing more can be written: free the session now, then drop the socket
             close = (POLICY_VIOLATION, str(slow))
             await conn.demote()  # engine time for replies nobody reads: its key waits behind the others
@@ -284,7 +311,8 @@ class _RouteEndpoint:
             except Exception:
                 self.failures.report(f"closing session {conn.session_id or '-'}")
             if close is not None:
-                await _close_socket(ws, *close, farewell=farewell, timeout_s=min(config.send_timeout_s, CLOSE_GRACE_S))
+                grace = min(config.send_timeout_s, CLOSE_GRACE_S)
+                await _close_socket(ws, *close, farewell=farewell, timeout_s=grace, linger=not hello.waiting)
 
     def _sender(self, ws: WebSocket) -> Callable[[Message], Awaitable[None]]:
         """The session's `send`: each frame within the connection's send budget, else `_SlowReader`."""
@@ -307,17 +335,27 @@ class _RouteEndpoint:
         return send
 
     async def _converse(
-        self, ws: WebSocket, conn: Connection, state: Any, send: Callable[[Message], Awaitable[None]]
+        self,
+        ws: WebSocket,
+        conn: Connection,
+        state: Any,
+        send: Callable[[Message], Awaitable[None]],
+        hello: HelloWait,
     ) -> tuple[int, str] | None:
         """Hand the device's messages to the session until the conversation ends; returns the close
-        frame to send (None: the device is gone). `state`: the drain's record of this connection."""
+        frame to send (None: the device is gone). `state`: the drain's record of this connection;
+        `hello`: its deadline and place in the hello gate until a hello arrives."""
         config, metrics = self.config, self.metrics
         limiter = _RateLimit(config.max_messages_per_s)
         while True:
             state.waiting = True  # between requests: a drain may close it now
+            hello_due = hello.left()  # inf once a hello arrived
             try:
-                event = await asyncio.wait_for(ws.receive(), config.idle_timeout_s)
+                event = await asyncio.wait_for(ws.receive(), min(config.idle_timeout_s, hello_due))
             except asyncio.TimeoutError:
+                if hello_due <= config.idle_timeout_s:
+                    metrics.rejections.labels("hello_timeout").inc()
+                    return (POLICY_VIOLATION, f"no hello within {config.hello_timeout_s:g} s of connecting")
                 metrics.rejections.labels("idle").inc()
                 return (GOING_AWAY, f"idle for {config.idle_timeout_s:.0f} s")
             state.waiting = False
@@ -331,6 +369,8 @@ class _RouteEndpoint:
                         ErrorCode.BUSY, f"rate limit: at most {config.max_messages_per_s:g} messages per second"
                     )
                 await conn.on_message(_decode(frame, config.max_message_bytes))
+                if conn.seq is not None:  # a session: out of the hello gate (a refused hello closes)
+                    hello.done()
             except ProtocolError as exc:
                 refused = await self._answer_error(exc, conn, send, frame)
                 if refused is not None:
@@ -494,21 +534,31 @@ def close_reason(text: str) -> str:
 
 
 async def _close_socket(
-    ws: WebSocket, code: int, reason: str, farewell: Message | None = None, timeout_s: float = 1.0
+    ws: WebSocket,
+    code: int,
+    reason: str,
+    farewell: Message | None = None,
+    timeout_s: float = 1.0,
+    linger: bool = True,
 ) -> None:
     """Send `farewell` (if any) and a close frame, each within `timeout_s`; if the socket cannot
-    take them in time (the client reads nothing), abort the connection instead of leaving it open."""
+    take them in time (the client reads nothing), abort the connection instead of leaving it open.
+    `linger=False` (a connection without a session): the connection ends once the close frame is
+    written, without waiting up to uvicorn's 10 s for the client to answer it, which a hostile
+    client never does (each wait holds a file descriptor)."""
+    transport = ws.scope.get(_TRANSPORT)
     try:
         if farewell is not None:
             frame = encode(farewell)
             await asyncio.wait_for(ws.send_text(frame) if isinstance(frame, str) else ws.send_bytes(frame), timeout_s)
         await asyncio.wait_for(ws.close(code, close_reason(reason)), timeout_s)
+        if not linger and transport is not None:
+            transport.close()  # the close frame is flushed first
         return
     except asyncio.TimeoutError:
         pass
     except Exception:  # already closed by the client
         return
-    transport = ws.scope.get(_TRANSPORT)
     if transport is not None and not transport.is_closing():
         transport.abort()
 

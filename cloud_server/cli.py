@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ssl-certfile", help="serve wss:// with this certificate (uvicorn's TLS)")
     s.add_argument("--ssl-keyfile")
+    s.add_argument("--api-docs", action="store_true", help="serve FastAPI's /docs, /redoc and /openapi.json")
     _add_production_flags(s)
     h = sub.add_parser("hash-key", help="print the sha256 digest of an API key, for a key file that holds no secrets")
     h.add_argument("key")
@@ -130,7 +132,26 @@ def _add_connection_limits(g: argparse._ArgumentGroup, d: ServerConfig) -> None:
         "--drain-timeout-s",
         type=float,
         default=d.drain_timeout_s,
-        help="on SIGTERM, how long sessions may finish their request before they are closed (0: stop at once)",
+        help="on SIGTERM, how long sessions may finish their request before they are closed (0: stop at once); "
+        "the process exits within this + 1 s, whatever its clients do",
+    )
+    g.add_argument(
+        "--hello-timeout-s",
+        type=float,
+        default=d.hello_timeout_s,
+        help="close a connection that has not said hello this long after connecting",
+    )
+    g.add_argument(
+        "--max-pre-hello",
+        type=int,
+        default=d.max_pre_hello,
+        help="connections waiting for their hello at once; one more is closed at once (1013)",
+    )
+    g.add_argument(
+        "--max-pre-hello-per-address",
+        type=int,
+        default=d.max_pre_hello_per_address,
+        help="... from one client address (behind a proxy, every client has the proxy's: set it to --max-pre-hello)",
     )
     g.add_argument(
         "--send-timeout-s",
@@ -279,6 +300,17 @@ def main(argv: list[str] | None = None) -> None:
     scheme = "wss" if args.ssl_certfile else "ws"
     print(f"{READY_LINE} url={scheme}://{args.host}:{port}/v1/route port={port}", flush=True)
     server.run(sockets=[sock])
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit once the server has shut down (sessions closed, engine stopped, the log written): the
+    interpreter's own teardown (freeing the model and every module, 0.6 s on the 2-core VM) would
+    otherwise spend most of the second a drain promises past its deadline (cloud_server/drain.py)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -309,6 +341,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         idle_timeout_s=args.idle_timeout_s,
         send_timeout_s=args.send_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        hello_timeout_s=args.hello_timeout_s,
+        max_pre_hello=args.max_pre_hello,
+        max_pre_hello_per_address=args.max_pre_hello_per_address,
+        api_docs=args.api_docs,
         max_send_queue_bytes=args.max_send_queue_bytes,
         key_max_sessions=args.key_max_sessions,
         key_tokens_per_minute=args.key_tokens_per_minute,

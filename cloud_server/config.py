@@ -31,6 +31,11 @@ class ServerConfig:
     # SIGTERM drains (cloud_server/drain.py): sessions finish their request, then close 1001; past this,
     # the rest are closed anyway (keep it under Kubernetes' terminationGracePeriodSeconds)
     drain_timeout_s: float = 20.0
+    # connections that have not said hello (cloud_server/hello_gate.py): a deadline, and caps in all and per address
+    hello_timeout_s: float = 5.0  # a connection without an accepted hello this long after connecting is closed
+    max_pre_hello: int = 256  # connections waiting for their hello, all addresses together
+    max_pre_hello_per_address: int = 64  # ... from one client address (behind a proxy: the proxy's address)
+    api_docs: bool = False  # FastAPI's /docs, /redoc and /openapi.json (off: they describe the server to anyone)
     max_send_queue_bytes: int = 1 << 20  # bytes queued unread for one connection before it is closed (slow reader)
     threads: int | None = None
     record_dir: str | None = (

@@ -66,13 +66,16 @@ class TracebackFilter(logging.Filter):
         return True
 
 
-# C0/C1 control characters, Unicode line/paragraph separators, and unpaired surrogates
-# (which cannot even be written to a UTF-8 stream)
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# C0/C1 control characters, Unicode line/paragraph separators, bidi controls (embeddings, overrides,
+# isolates and marks: U+202E would show the rest of an operator's line reversed), and unpaired
+# surrogates (which cannot even be written to a UTF-8 stream)
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def escape(text: str) -> str:
-    """`text` on one line: control characters and surrogates as Python escapes (\\n, \\x1b, \\ud800)."""
+    """`text` on one line, shown as written: control characters, bidi controls and surrogates as
+    Python escapes (\\n, \\x1b, \\u202e, \\ud800). The one escape of every text log line (`TextFormatter`;
+    the JSON format escapes all of them too), so no call site that logs a client's string needs its own."""
     return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
 
 

@@ -109,6 +109,14 @@ class Quotas:
                 "key_explore_per_minute",
             )
 
+    def give_back_explore(self, key: KeyPolicy) -> None:
+        """An exploration taken from the key's budget was refused for another reason (busy): it was
+        not made, so it costs nothing (a refused request must not spend the budget of the next)."""
+        with self._lock:
+            b = self._explore.get(key.name)
+            if b is not None:
+                b.level = min(b.capacity, b.level + 1.0)
+
     def _take(self, buckets: dict[str, _Bucket], name: str, per_minute: int | None, n: int) -> float:
         """Take `n` from `name`'s bucket of `per_minute` (None: no limit; 0: none at all); returns 0 when
         granted, else the seconds until it would be."""

@@ -11,6 +11,8 @@ given this object; it never sends anything itself.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
@@ -78,14 +80,26 @@ class SessionAccounting:
                 log.warning("session %s (key %s) flagged: %s", self.session_id, self.key.name, exc.reason)
             raise ProtocolError(ErrorCode.BUSY, exc.reason) from None
 
-    def admit_explore(self) -> None:
-        """An exploration request, from its key's budget: over it, declined (`explore_limited`), nothing changed."""
+    @contextmanager
+    def exploring(self, explore: bool) -> Iterator[None]:
+        """Around a request that may be an exploration: its key's budget is taken first (over it:
+        declined, `explore_limited`, nothing changed) and given back if the request ends before the
+        cloud answered the position (refused `busy`, an engine error): what was refused was not
+        explored, so it neither spends the budget nor counts in `explored_total` (`count_ask` counts)."""
+        if not explore:
+            yield
+            return
         try:
             self.services.quotas.take_explore(self.key)
         except QuotaExceeded as exc:
             self.services.metrics.rejections.labels(exc.kind).inc()
             raise ProtocolError(ErrorCode.EXPLORE_LIMITED, exc.reason) from None
-        self.services.metrics.explored.inc()
+        served = self.routing.explored
+        try:
+            yield
+        finally:
+            if self.routing.explored == served:
+                self.services.quotas.give_back_explore(self.key)
 
     def _flag(self) -> bool:
         """Mark the session (and its audit log, if any) flagged; True the first time only, audit log or
@@ -140,6 +154,7 @@ class SessionAccounting:
         if explore:
             r.explored += 1
             r.disagreed += disagreed
+            self.services.metrics.explored.inc()
         else:
             r.asked += 1
 

@@ -141,9 +141,11 @@ class TextAnswer(SharedAnswer):
         self._check_bytes("text_generate", msg.byte_position)
         check_max_tokens(msg.max_tokens, self.max_tokens)
         self._price_proposal(msg.proposed_text)
+        with self.acct.exploring(msg.explore):  # refused here, an exploration was not made: its budget is given back
+            await self._generate(msg)
+
+    async def _generate(self, msg: TextGenerate) -> None:
         acct = self.acct
-        if msg.explore:
-            acct.admit_explore()
         acct.admit_hard_tokens(1)
         n = self._history_len()
         with engine_errors():

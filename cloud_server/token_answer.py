@@ -98,18 +98,16 @@ class TokenAnswer(SharedAnswer):
             )
         check_max_tokens(msg.max_tokens, self.max_tokens)
         t_received = time.perf_counter()
-        if msg.explore:
-            self.acct.admit_explore()
-        written = await self._first_token(msg)
         acct, position = self.acct, msg.position + len(msg.tokens)
+        with acct.exploring(msg.explore):  # refused here, an exploration was not made: its budget is given back
+            written = await self._first_token(msg)
+            acct.count_ask(msg.explore, disagreed=written.token != msg.proposed)
         for i in range(msg.max_tokens):
             if i > 0:  # a refusal from here on keeps the tokens already sent
                 acct.admit_hard_tokens(1)
                 with engine_errors():
                     written = await self.worker.generate(self.handle)
             token = written.token
-            if i == 0:
-                acct.count_ask(msg.explore, disagreed=token != msg.proposed)
             acct.cloud_token(position + i, token)
             eog = self.engine.is_eog(token)
             final = eog or i == msg.max_tokens - 1

@@ -108,6 +108,7 @@ SLOW_MODULES = {
     "test_server_engine",
     "test_server_fuzz",
     "test_server_hostile",
+    "test_server_connections",
     "test_server_loadtest",
     "test_server_production",
     "test_server_remote",
@@ -127,6 +128,7 @@ SERIAL_MODULES = {
     "test_server_abuse",
     "test_server_hostile",
     "test_server_price",
+    "test_server_connections",  # issue 47: a drain's deadline, connections before hello beside an honest device
     "test_server_production",
     "test_failover",
     "test_server_loadtest",
