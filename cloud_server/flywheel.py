@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 
 from cloud_server.config import ServerConfig
+from models.registry import model_info
 from models.train.shards import Records, make_records, write_shard
 from shared.learned_router import N_LOGIT_FEATURES
 from shared.model_info import ModelInfo
@@ -260,8 +261,6 @@ def shard_tag(edge_fingerprint: str) -> str:
 def known_widths(cloud: ModelInfo | None = None, edge_models: list[str] = ()) -> dict[str, int]:
     """Edge model fingerprint -> hidden-state width, for the edge models the cloud knows: those of the
     shipped routers (models/routers), the cloud's own model, and `edge_models` (names or .gguf paths)."""
-    from models.registry import model_info
-
     widths: dict[str, int] = {}
     for path in sorted(ROUTERS_DIR.glob("*.npz")):
         try:

@@ -153,7 +153,7 @@ def test_explored_positions_past_the_keys_budget_are_declined_and_the_session_go
     )
     answers = []
     try:
-        for _ in range(6):  # one chat answered again on one session until its declines pass the error limit
+        for _ in range(12):  # one chat answered again on one session until its declines pass the error limit
             answers.append(gen.generate(chat(LONG_QUESTIONS[0]), max_tokens=48))
             link = gen.link
             assert link is not None and link.connected

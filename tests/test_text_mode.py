@@ -424,7 +424,9 @@ def test_same_model_forced_into_text_mode_changes_nothing(
     "\n" where the text reads ".", "\n\n": the cloud reads the shared text, so its context differs
     there; seen under kernel noise seed 3, where a tie made the device write two newlines).
     With lookahead
-    the cloud's text guess decides the position after each span, and changes nothing either."""
+    the cloud's text guess decides the position after each span, and changes nothing either. An
+    answer that begins to loop ends there (shared/decision.py, "Loops"), after the token that repeats
+    a run; a span of the cloud's tokens may carry one answer a few tokens further than the other."""
     edge_only = make_generator(edge_model, None, mode="edge")
     gen = make_generator(
         edge_model,
@@ -446,7 +448,11 @@ def test_same_model_forced_into_text_mode_changes_nothing(
                 and not a.degraded
                 and a.cloud_capabilities == ["generate", "guess", "verify"]
             )
-            if a.text != expected.text:  # only where the model's own top two are within kernel noise
+            ended_in_a_loop = "loop" in (a.finish_reason, expected.finish_reason)
+            shorter, longer = sorted((a.text, expected.text), key=len)
+            if ended_in_a_loop and longer.startswith(shorter):
+                pass  # both loop alike; a span of the cloud's tokens carried one past the device's stop point
+            elif a.text != expected.text:  # only where the model's own top two are within kernel noise
                 spelt = a.text.encode()
                 assert text_agrees_up_to_a_tie(
                     edge_info, edge_model, chat(q), expected.tokens, spelt
@@ -582,7 +588,7 @@ def test_mixed_pair_falls_back_to_the_device_when_the_cloud_is_lost(edge_model, 
     try:
         a = gen.generate(chat(q), max_tokens=48, on_token=kill_at_first_cloud_text)
         assert killed.is_set() and a.degraded and a.shared_history == "text"
-        assert a.n_tokens == 48 or a.finish_reason == "stop"
+        assert a.n_tokens == 48 or a.finish_reason in ("stop", "loop")
         k = len(a.routes) - a.routes[::-1].index("cloud")  # after the last cloud token
         assert k < a.n_tokens and "cloud" not in a.routes[k:]
         flags = [t.fallback for t in read(a.routing_log)]
@@ -816,7 +822,7 @@ def test_mixed_pair_check_falls_back_when_the_cloud_is_lost_mid_check(edge_model
     try:
         a = gen.generate(chat(q), max_tokens=48)
         assert router.n >= 20 and a.degraded and a.shared_history == "text" and a.cloud_mode == "check"
-        assert a.n_tokens == 48 or a.finish_reason == "stop"
+        assert a.n_tokens == 48 or a.finish_reason in ("stop", "loop")
         k = len(a.routes) - a.routes[::-1].index("cloud") if "cloud" in a.routes else 0
         assert k < a.n_tokens and "cloud" not in a.routes[k:]
         so_far = edge_model.tokenize(edge_model.detokenize(a.tokens[:k]), parse_special=False)
