@@ -82,3 +82,30 @@ def test_the_benchmark_reports_each_configuration_and_lays_the_answers_side_by_s
     assert report["points"]["default"]["cloud_token_share"] > 0.0
     side = out.with_suffix(".md").read_text()
     assert all(q in side for q in questions) and side.count("- **default**") == 2
+
+
+def test_the_eval_counts_right_answers_on_the_question_set(tmp_path):
+    """`tokenrouter-train eval --question-set tune`: each point counts the right answers of its own listed
+    answers, and the cloud alone keeps all of its own."""
+    from models.train.answer_set import load_questions as questions_of
+    from models.train.cli import main
+
+    out = tmp_path / "eval"
+    main(
+        ["eval", "--question-set", "tune", "--limit", "2", "--fraction", "0.3", "--max-tokens", "8", "--out", str(out)]
+    )
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["split"] == "question-set:tune"
+    by_question = {q.question: q for q in questions_of("tune")[:2]}
+    for method, points in result["methods"].items():
+        for point in points:
+            f = point["target_fraction"]
+            name = {0.0: "edge-only", 1.0: "cloud-only"}.get(f, method)
+            listed = [a for a in result["answers"] if a["method"] == name and a["target_fraction"] == f]
+            assert len(listed) == 2 and point["right"] == sum(
+                is_right(by_question[a["prompt"]], a["text"]) for a in listed
+            )
+    cloud = result["methods"]["cloud-only"][0]
+    assert cloud["keeps_cloud_right"] == (1.0 if cloud["right"] else None)
+    with pytest.raises(SystemExit, match="replaces --split"):
+        main(["eval", "--question-set", "tune", "--split", "val", "--out", str(out)])

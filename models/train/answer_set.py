@@ -25,6 +25,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from models.train.person_check import (
     continues_transcript,
@@ -132,3 +133,27 @@ def first_glance(question: str, answer: str, instructions: str = DEFAULT_SYSTEM_
 def is_right(q: Question, answer: str, instructions: str = DEFAULT_SYSTEM_PROMPT) -> bool:
     """A reader would accept it: the needed words, and no first-glance failure."""
     return has_words(answer, q.need) and not first_glance(q.question, answer, instructions)
+
+
+def add_right_answers(result: dict[str, Any], questions: list[Question]) -> None:
+    """Into an eval's result (`tokenrouter-train eval --question-set`, its answers kept): each point's
+    `right` answers and `keeps_cloud_right`, the share of the cloud alone's right answers it keeps."""
+    by_question = {q.question: q for q in questions}
+
+    def right(method: str, target: float) -> set[str]:
+        return {
+            a["prompt"]
+            for a in result["answers"]
+            if a["method"] == method
+            and a["target_fraction"] == target
+            and is_right(by_question[a["prompt"]], a["text"])
+        }
+
+    cloud = right("cloud-only", 1.0)
+    for method, points in result["methods"].items():
+        for point in points:
+            target = point["target_fraction"]
+            name = {0.0: "edge-only", 1.0: "cloud-only"}.get(target, method)
+            mine = right(name, target)
+            point["right"] = len(mine)
+            point["keeps_cloud_right"] = round(len(mine & cloud) / len(cloud), 3) if cloud else None

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir, model_info
+from models.train.answer_set import SPLITS, add_right_answers, load_questions
 from models.train.evaluate import EvalOptions, evaluate, plot, write_json
 from models.train.features import LABELS
 from models.train.fit import FitOptions, fit
@@ -172,6 +173,13 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "--out", type=Path, default=BUILD_DIR / "eval", help="writes OUT.json and OUT.png (default: build/train/eval)"
     )
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
+    p.add_argument(
+        "--question-set",
+        choices=SPLITS,
+        default=None,
+        help="ask the questions of models/train/answers (this split) and count right answers per point "
+        "(a word of every needed group, no first-glance failure): the measure a reader signs, beside the likelihood",
+    )
     p.add_argument(
         "--answers", action="store_true", help="also list every answer (text, tokens, decisions) in OUT.json"
     )
@@ -357,9 +365,14 @@ def cmd_fit(args: argparse.Namespace) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    questions = load_questions(args.question_set)[: args.limit] if args.question_set else []
+    if questions and (args.split or args.prompts):
+        raise SystemExit("tokenrouter-train eval: --question-set replaces --split and --prompts; give one of them")
     if not args.split and not args.prompts:
         args.split = ["val"]
-    prompts, source = _prompts(args)
+    prompts, source = (
+        ([q.question for q in questions], f"question-set:{args.question_set}") if questions else _prompts(args)
+    )
     if model_info(args.edge_model).tokenizer_fingerprint != model_info(args.cloud_model).tokenizer_fingerprint:
         if args.router is None:
             shipped = pair_router(args.edge_model, args.cloud_model)
@@ -385,7 +398,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         cloud_engine=args.cloud_engine,
         cloud_engine_format=args.cloud_engine_format,
         decision_engine=args.decision_engine,
-        keep_answers=args.answers,
+        keep_answers=args.answers or bool(questions),
         **({"fractions": tuple(args.fraction)} if args.fraction else {}),
     )
     bar = None
@@ -400,6 +413,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if bar is not None:
         bar.close()
     result["split"] = source
+    if questions:
+        add_right_answers(result, questions)
     write_json(result, args.out.with_suffix(".json"))
     plot(result, args.out.with_suffix(".png"))
     if args.json:
