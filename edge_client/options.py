@@ -90,6 +90,7 @@ class GeneratorOptions:
     check: str = DEFAULT_CHECK
     check_nats: float = 1.0
     whole_numbers: bool = True  # a number is the cloud's, digit after digit (shared/decision.py, "Numbers")
+    opening_tokens: int = 0  # the answer's first positions are the cloud's (shared/decision.py, "The opening")
     stop_loops: bool = True  # an answer ends where it says a run of tokens again (shared/decision.py, "Loops")
     check_max_draft: int = CHECK_MAX_DRAFT  # longest draft before a verify when no clause ends
     strategy: str = "per-token"  # STRATEGIES: how the per-token phase asks the cloud
@@ -112,6 +113,7 @@ class GeneratorOptions:
             check=self.check,
             check_nats=self.check_nats,
             whole_numbers=self.whole_numbers,
+            opening_tokens=self.opening_tokens,
         )
 
     def policy_config(self) -> PolicyConfig:

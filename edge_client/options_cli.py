@@ -191,6 +191,12 @@ def _add_cloud_help_options(p: argparse.ArgumentParser) -> None:
         "digit after digit: spliced, '140,000,000' came out '140,760,000')",
     )
     p.add_argument(
+        "--opening-tokens",
+        type=int,
+        default=D.opening_tokens,
+        help="the cloud writes the answer's first N positions, whatever the router says (0: the router decides)",
+    )
+    p.add_argument(
         "--let-loops",
         action="store_true",
         help='let an answer say a run of 8 tokens again (default: it ends there, finish_reason "loop": a small '
@@ -247,6 +253,7 @@ def options_from_args(args: argparse.Namespace) -> GeneratorOptions:
         check_nats=args.check_nats,
         whole_numbers=not args.split_numbers,
         stop_loops=not args.let_loops,
+        opening_tokens=args.opening_tokens,
         text_mode=args.text_mode,
         system_prompt=D.system_prompt if args.system_prompt is None else args.system_prompt,
     )

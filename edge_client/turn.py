@@ -101,6 +101,8 @@ class Turn:
         self.position.in_first_clause = self._in_first_clause()
         required = self.rule.cloud_required(self.decoder.history, self.prompt_len, proposed)
         self.tier = engine_tier(self.engine, self.position, index, proposed, score, hidden, logits, n_tiers, required)
+        if not self.rule.checking:  # the rule's positions count against --cloud-fraction, as the check's overrules
+            self.policy.share_taken_elsewhere(self.overruled.add(1, required))
         if self.forecast is not None:
             self.forecast.observe(self.position, self.tier)
         self.router_ms.append((time.perf_counter() - t0) * 1000.0)

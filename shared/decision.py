@@ -30,6 +30,11 @@ writes a whole number, spliced they write neither. The decision engine is
 overruled towards the cloud only (shared/decision_engine.py, `engine_tier`);
 in the check phase such a draft is judged exactly, as a flagged one.
 
+**The opening.** The answer's first `opening_tokens` positions are the cloud's
+too (0: off): the device's first words set an answer's course ("the capital
+of canada is« par»is"; "remind me to call my mother" said back), and the
+router keeps them as often as any.
+
 **Loops.** An answer ends where it says a run of `LOOP_TOKENS` tokens again
 (`RepeatWatch`; the device's `stop_loops`, on by default; finish reason
 "loop"). A small model's loops do not end by themselves, and giving the
@@ -96,6 +101,7 @@ class RuleOptions:
     check_nats: float = 1.0
     tie_nats: float = TIE_NATS
     whole_numbers: bool = True  # a number's digits are the cloud's (module docstring, "Numbers")
+    opening_tokens: int = 0  # the answer's first positions that are the cloud's ("The opening")
 
     def __post_init__(self) -> None:
         if self.check not in CHECK_MODES:
@@ -106,6 +112,8 @@ class RuleOptions:
             raise ValueError(
                 f"lookahead_nats (--lookahead-nats) must be a finite number of nats >= 0, not {self.lookahead_nats}"
             )
+        if self.opening_tokens < 0:
+            raise ValueError(f"opening_tokens (--opening-tokens) must be >= 0, not {self.opening_tokens}")
         if not 0.0 <= self.tie_nats < float("inf"):
             raise ValueError(f"tie_nats must be a finite number of nats >= 0, not {self.tie_nats}")
 
@@ -246,9 +254,12 @@ class AnswerRule:
         self.start_answer()
 
     def cloud_required(self, history: Sequence[int], start: int, proposed: int) -> bool:
-        """The rule gives this position to the cloud whatever decides the others: it writes part of a
-        number ("Numbers")."""
-        return self.options.whole_numbers and self.numbers is not None and self.numbers.at(history, start, proposed)
+        """The rule gives this position to the cloud whatever decides the others: it is in the answer's
+        opening ("The opening") or writes part of a number ("Numbers")."""
+        o = self.options
+        if len(history) - start < o.opening_tokens:
+            return True
+        return o.whole_numbers and self.numbers is not None and self.numbers.at(history, start, proposed)
 
     def start_answer(self) -> None:
         self.checking = self.options.check == "all"
@@ -281,7 +292,8 @@ class AnswerRule:
 
 
 class OverruledShare:
-    """The decayed share of answer tokens the cloud's check overruled (half-life ~140 tokens).
+    """The decayed share of answer tokens the cloud's check overruled, or the rule gave the cloud
+    (`AnswerRule.cloud_required`) (half-life ~140 tokens).
 
     The router is calibrated to the rest of --cloud-fraction (RoutingPolicy.share_taken_elsewhere),
     so router flags plus overrules meet the target."""

@@ -224,3 +224,15 @@ def test_a_run_said_again_is_watched_and_a_run_taken_back_does_not_count():
     assert not w.said_again([7, 8, 8, 8, 9, 1, 2, 3, 4])  # ... taken back and rewritten: 1 2 3 4 is said once
     w.reset()
     assert w.said_again([5, 5, 5, 5, 5])  # a token said five times is a run of four said twice
+
+
+def test_the_opening_is_the_clouds_for_as_many_positions_as_asked():
+    """opening_tokens=N: the answer's first N positions are the cloud's whatever the router says; 0 (the
+    default) leaves them to it; a negative count is refused by name."""
+    three = AnswerRule(RuleOptions(check="off", opening_tokens=3, whole_numbers=False), lambda t: False)
+    prompt = [9, 9, 9]
+    assert all(three.cloud_required(prompt + [1] * i, len(prompt), 1) for i in range(3))
+    assert not three.cloud_required(prompt + [1, 2, 3], len(prompt), 4)
+    assert not AnswerRule(RuleOptions(check="off", whole_numbers=False), lambda t: False).cloud_required(prompt, 3, 1)
+    with pytest.raises(ValueError, match="opening_tokens"):
+        RuleOptions(opening_tokens=-1)
