@@ -43,7 +43,7 @@ suite-noise: setup
 	TOKENROUTER_KERNEL_NOISE=1 $(PYTEST) $(XDIST) -m "kernel and not serial" --junitxml=$(JUNIT)/noise-parallel.xml
 	TOKENROUTER_KERNEL_NOISE=1 $(PYTEST) -m "kernel and serial" --junitxml=$(JUNIT)/noise-serial.xml
 
-# The quick loop: lint and the tests that need no cloud server, browser or audio device (~95 s on 2 cores).
+# The quick loop: lint and the tests that need no cloud server, browser or audio device (~90 s on 2 cores).
 check: setup lint
 	$(PYTEST) $(XDIST) -m "not slow and not serial"
 	$(PYTEST) -m "not slow and serial"
