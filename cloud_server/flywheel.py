@@ -34,7 +34,6 @@ becomes part of a path (file names hold a digest of it).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -46,14 +45,13 @@ from typing import Callable
 import numpy as np
 
 from cloud_server.config import ServerConfig
-from models.registry import model_info
+from models.registry import ROUTERS_DIR, model_info
 from models.train.shards import Records, make_records, write_shard
-from shared.learned_router import N_LOGIT_FEATURES
+from shared.learned_router import N_LOGIT_FEATURES, RouterFile
 from shared.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 16 << 20  # a buffer is written once its hidden states take this much, whatever its rows
-ROUTERS_DIR = Path(__file__).resolve().parents[1] / "models" / "routers"
 ROW_OVERHEAD = 64  # bytes a queued row takes besides its hidden state (tokens, position, key and session)
 SHARD_OVERHEAD = 8 << 10  # a shard's bytes besides its columns' (zip headers, meta), at most
 DROP_REASONS = ("unknown_model", "width", "non_finite", "queue_full", "disk_budget")
@@ -134,10 +132,8 @@ class FlywheelRecorder:
         item = _Row(edge_fingerprint, row, int(proposed), int(cloud_token), int(position), bool(explored), key, session)
         size = row.nbytes + ROW_OVERHEAD
         with self._cond:
-            if self._queued + size > self.queue_bytes:
-                full = True
-            else:
-                full = False
+            full = self._queued + size > self.queue_bytes
+            if not full:
                 self._queue.append(item)
                 self._queued += size
                 self._cond.notify()
@@ -264,8 +260,7 @@ def known_widths(cloud: ModelInfo | None = None, edge_models: list[str] = ()) ->
     widths: dict[str, int] = {}
     for path in sorted(ROUTERS_DIR.glob("*.npz")):
         try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"]))
+            meta = RouterFile.load(path).meta
             widths[str(meta["edge_fingerprint"])] = int(meta["n_embd"])
         except (OSError, KeyError, ValueError) as exc:
             log.warning("flywheel: %s names no edge model (%s)", path, exc)

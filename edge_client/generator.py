@@ -44,7 +44,7 @@ from edge_client.prefetch import TierForecast
 from edge_client.strategies import ClauseCheck, CloudStream, DeviceOnly, DraftVerify, PerToken, Span, Strategy
 from edge_client.turn import Turn
 from edge_client.writer import AnswerWriter
-from models.registry import model_info
+from models.registry import ROUTERS_DIR, model_info
 from shared.decision import AnswerRule, ClauseEnds, NumberWatch, OverruledShare, RuleOptions
 from shared.decision_engine import DecisionEngine, EngineSetup, build_engine
 from shared.learned_router import load_router
@@ -441,9 +441,6 @@ def cloud_mode(mode: str, use_cloud: bool, rule: RuleOptions, strategy: str) -> 
     if rule.check == "all":
         return "check"
     return strategy + ("+guess" if rule.lookahead else "") + ("+check" if rule.check != "off" else "")
-
-
-ROUTERS_DIR = Path(__file__).resolve().parents[1] / "models" / "routers"
 
 
 def shipped_router(edge_model: str, cloud_model: str, judge: str | None = None) -> Path | None:

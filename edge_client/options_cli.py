@@ -11,7 +11,7 @@ import argparse
 
 from edge_client.options import GeneratorOptions
 from edge_client.prefetch import PREFETCH_MODES
-from shared.decision import CHECK_MODES
+from shared.decision import CHECK_MODES, LOOP_TOKENS
 from shared.protocol import TEXT_MODES
 
 D = GeneratorOptions()  # every flag's default is the option's: written once, in edge_client/options.py
@@ -199,8 +199,8 @@ def _add_cloud_help_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--let-loops",
         action="store_true",
-        help='let an answer say a run of 8 tokens again (default: it ends there, finish_reason "loop": a small '
-        "model's loops do not end by themselves)",
+        help=f'let an answer say a run of {LOOP_TOKENS} tokens again (default: it ends there, finish_reason "loop": '
+        "a small model's loops do not end by themselves)",
     )
     p.add_argument(
         "--check-nats",

@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 from shared.model_info import ModelInfo  # also re-exported for callers that resolve models
 
+ROUTERS_DIR = Path(__file__).resolve().parent / "routers"  # the learned routers shipped per model pair
 DEFAULT_EDGE_MODEL = "smollm2-135m-q3_k_s"
 DEFAULT_CLOUD_MODEL = "smollm2-135m-q4_1"
 

@@ -16,6 +16,7 @@ from cloud_server.auth import digest
 from cloud_server.flywheel import ROW_OVERHEAD, SHARD_OVERHEAD, FlywheelRecorder, known_widths
 from models.train.cli import main as train_main
 from models.train.shards import ORIGIN, load_records, make_records, read_shard, shard_paths, write_shard
+from tests.helpers import wait_for
 
 EDGE = "sha256:edge-model"
 WIDTH = 8
@@ -99,7 +100,7 @@ def test_a_slow_writer_never_blocks_recording_and_a_full_queue_drops_and_counts(
     row_bytes = WIDTH * 2 + ROW_OVERHEAD
     rec = recorder(tmp_path, shard_rows=1, queue_bytes=10 * row_bytes)
     assert rec.record(EDGE, row(), 5, 5, 0)  # the worker takes it and is stuck writing it
-    assert wait_until(lambda: rec._busy and not rec._queue)
+    assert wait_for(lambda: rec._busy and not rec._queue, timeout=5.0, poll_s=0.01)
     t0 = time.perf_counter()
     kept = [rec.record(EDGE, row(), 5, 5, i) for i in range(1, 31)]
     took = time.perf_counter() - t0
@@ -127,12 +128,3 @@ def test_the_record_dir_stays_within_its_disk_budget(tmp_path):
     again.record(EDGE, row(), 5, 5, 0)
     again.flush()
     assert again.wait_idle() and again.dropped["disk_budget"] == 1
-
-
-def wait_until(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False

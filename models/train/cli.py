@@ -21,7 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from models.registry import DEFAULT_CLOUD_MODEL, DEFAULT_EDGE_MODEL, ModelNotFoundError, cache_dir, model_info
+from models.registry import (
+    DEFAULT_CLOUD_MODEL,
+    DEFAULT_EDGE_MODEL,
+    ROUTERS_DIR,
+    ModelNotFoundError,
+    cache_dir,
+    model_info,
+)
 from models.train.answer_set import SPLITS, add_right_answers, load_questions
 from models.train.evaluate import EvalOptions, evaluate, plot, write_json
 from models.train.features import LABELS
@@ -36,7 +43,6 @@ from shared.decision import TIE_NATS
 from shared.decision_engine import BUILTIN_ENGINE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ROUTERS_DIR = REPO_ROOT / "models" / "routers"
 DEFAULT_ROUTER = ROUTERS_DIR / f"{DEFAULT_EDGE_MODEL}__{DEFAULT_CLOUD_MODEL}.npz"
 BUILD_DIR = REPO_ROOT / "build" / "train"
 """Where the tools write unless told otherwise (ignored by git): a fit never overwrites a shipped
