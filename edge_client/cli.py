@@ -38,14 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def marked_text(answer: Answer, start: str = "«", end: str = "»") -> str:
+    """The answer's text with each run of cloud-written tokens between `start` and `end`."""
+    out: list[str] = []
+    inside = False
+    for text, route in zip(answer.pieces, answer.routes):
+        if (route == "cloud") != inside:
+            out.append(end if inside else start)
+            inside = not inside
+        out.append(text)
+    return "".join(out) + (end if inside else "")
+
+
 def render_human(answer: Answer, color: bool) -> str:
     """The answer with cloud-written tokens marked: [bold] in a terminal, «…» otherwise."""
-    out: list[str] = []
-    for text, route in zip(answer.pieces, answer.routes):
-        if route == "cloud":
-            out.append(f"\x1b[1;36m{text}\x1b[0m" if color else f"«{text}»")
-        else:
-            out.append(text)
+    marked = marked_text(answer, "\x1b[1;36m", "\x1b[0m") if color else marked_text(answer)
     lat = answer.latency
     summary = (
         f"\n\n[{answer.policy}] {answer.n_tokens} tokens, {answer.n_cloud_tokens} from the cloud"
@@ -67,7 +74,7 @@ def render_human(answer: Answer, color: bool) -> str:
         )
     if answer.degraded:
         summary += f"\n(degraded: the cloud was unavailable ({answer.degraded_reason}), the device answered alone)"
-    return "".join(out) + summary
+    return marked + summary
 
 
 def cmd_ask(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from cloud_server.local import LocalCloudServer  # noqa: E402
 from edge_client.answer import Answer  # noqa: E402
+from edge_client.cli import marked_text  # noqa: E402
 from edge_client.cloud_link import CloudLink  # noqa: E402
 from edge_client.generator import RoutedGenerator  # noqa: E402
 from edge_client.options import GeneratorOptions  # noqa: E402
@@ -98,17 +99,6 @@ def fresh(edge: LlamaModel, opts: GeneratorOptions, server: LocalCloudServer) ->
     return RoutedGenerator(edge, opts, connect)
 
 
-def marked(a: Answer) -> str:
-    """The answer with the cloud's tokens in «»."""
-    out, inside = [], False
-    for piece, route in zip(a.pieces, a.routes):
-        if (route == "cloud") != inside:
-            out.append("«" if not inside else "»")
-            inside = not inside
-        out.append(piece)
-    return "".join(out) + ("»" if inside else "")
-
-
 def row(q: Question, a: Answer, instructions: str) -> dict[str, Any]:
     failed = first_glance(q.question, a.text, instructions)
     words = has_words(a.text, q.need)
@@ -116,7 +106,7 @@ def row(q: Question, a: Answer, instructions: str) -> dict[str, Any]:
         "question": q.question,
         "kind": q.kind,
         "text": a.text,
-        "marked": marked(a),
+        "marked": marked_text(a),
         "words": words,
         "right": words and not failed,
         "failed": failed,

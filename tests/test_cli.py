@@ -126,3 +126,17 @@ def test_unreachable_cloud_degrades_and_bad_model_is_named(tmp_path):
     assert out["degraded"] is True and out["n_cloud_tokens"] == 0 and out["n_tokens"] > 0
     p = run("ask", "hello", "--edge-model", str(tmp_path / "missing.gguf"), "--cloud", "none")
     assert p.returncode != 0 and "missing.gguf" in p.stderr and "neither a registered name" in p.stderr
+
+
+def test_a_run_of_cloud_tokens_is_marked_once():
+    """`ask`'s human output (and scripts/bench_answers.py's side-by-side file) marks each run of
+    cloud-written tokens once: «A day» is« 24.», not «A»« day» is« 24»«.»."""
+    from edge_client.answer import Answer
+    from edge_client.cli import marked_text, render_human
+
+    a = Answer(
+        policy="router", pieces=["A", " day", " is", " 24", "."], routes=["cloud", "cloud", "edge", "cloud", "cloud"]
+    )
+    assert marked_text(a) == "«A day» is« 24.»"
+    assert render_human(a, color=False).startswith("«A day» is« 24.»\n")
+    assert render_human(a, color=True).startswith("\x1b[1;36mA day\x1b[0m is\x1b[1;36m 24.\x1b[0m\n")
